@@ -1,0 +1,117 @@
+// The plain parameter structs every backend consumes (CPU, nvcc-compiled CUDA, NVRTC-compiled CUDA).
+// They are built once from the user-facing arguments (src/core/params.cc) and hold only pointers, sizes and
+// strides in elements. NVRTC-clean.
+#pragma once
+
+#include "attnforge/kernel/types.h"
+
+namespace attnforge {
+
+// KV cache addressing. All strides are in elements; the head_dim axis is contiguous (stride 1).
+struct KVParams {
+  const void* k;  // element (page 0, token 0, head 0, dim 0) of K
+  const void* v;  // same for V; K and V have their own strides (combined [pages, 2, ...] caches work)
+  DType dtype;
+  KVFormat format;
+  int32_t page_size;  // 1 for ragged KV
+  int32_t num_kv_heads;
+  int64_t k_stride_page, k_stride_token, k_stride_head;
+  int64_t v_stride_page, v_stride_token, v_stride_head;
+  const int32_t* page_ids;          // CSR: [nnz_pages]; block table: [batch, page_list_stride]; ragged: null
+  const int32_t* page_list_indptr;  // CSR: [batch + 1] into page_ids; ragged: [batch + 1] token offsets; table: null
+  int64_t page_list_stride;         // block table: row stride of the table; otherwise 0
+  float k_scale;                    // K is multiplied by this after loading (fp8 scales; 1 otherwise)
+  float v_scale;
+};
+
+// Index of the page (or packed row, for ragged KV) that holds token t of request b.
+ATTNFORGE_HOST_DEVICE int64_t kv_page_of(const KVParams& p, int32_t b, int32_t t) {
+  if (p.format == KVFormat::kRagged) return static_cast<int64_t>(p.page_list_indptr[b]) + t;
+  const int64_t list = p.format == KVFormat::kPagedCSR ? static_cast<int64_t>(p.page_list_indptr[b])
+                                                       : static_cast<int64_t>(b) * p.page_list_stride;
+  return p.page_ids[list + t / p.page_size];
+}
+
+// Element offsets of (request b, token t, kv head h, dim 0) in K and V.
+ATTNFORGE_HOST_DEVICE int64_t kv_k_offset(const KVParams& p, int32_t b, int32_t t, int32_t h) {
+  const int64_t page = kv_page_of(p, b, t);
+  const int32_t slot = p.format == KVFormat::kRagged ? 0 : t % p.page_size;
+  return page * p.k_stride_page + static_cast<int64_t>(slot) * p.k_stride_token + h * p.k_stride_head;
+}
+ATTNFORGE_HOST_DEVICE int64_t kv_v_offset(const KVParams& p, int32_t b, int32_t t, int32_t h) {
+  const int64_t page = kv_page_of(p, b, t);
+  const int32_t slot = p.format == KVFormat::kRagged ? 0 : t % p.page_size;
+  return page * p.v_stride_page + static_cast<int64_t>(slot) * p.v_stride_token + h * p.v_stride_head;
+}
+
+// Rotary position embedding applied inside attention (to Q and K) or by apply_rope.
+struct RopeParams {
+  int32_t enabled;        // 0: no RoPE
+  int32_t rotary_dim;     // leading dims rotated; the rest pass through
+  int32_t interleave;     // 0: rotate halves (Llama/NeoX, x[i] with x[i + rotary_dim/2]); 1: pairs (2i, 2i+1)
+  float theta;            // base of the frequencies, 1e4 for Llama 2, 5e5 for Llama 3
+  float rcp_scale;        // positions are multiplied by this (1 / linear scale)
+  // Llama 3.1 frequency scaling; active when llama31_factor > 0.
+  float llama31_factor, llama31_low_freq_factor, llama31_high_freq_factor, llama31_old_context_len;
+  const int32_t* pos_offset;  // [batch] added to every position of the request, or null
+};
+
+// Per-run (per-layer) options, turned into numbers and pointers. Order in which they act on a logit:
+//   s = sm_scale * k_scale * dot(rope(q), rope(k));  s = soft_cap * tanh(s / soft_cap) if soft_cap > 0;
+//   s += alibi_slope[h] * (kv_pos - q_pos);  s = -inf where causal, window or custom mask forbids.
+// Softmax then runs over the allowed s plus, when sinks is set, one extra logit sinks[h] with a zero value.
+struct VariantParams {
+  float sm_scale;
+  int32_t causal;
+  int32_t window_left;   // kv_pos >= q_pos - window_left; -1: unbounded
+  int32_t window_right;  // kv_pos <= q_pos + window_right; -1: unbounded (causal implies 0)
+  float soft_cap;        // 0: off
+  const float* alibi_slopes;  // [num_qo_heads] or null
+  const float* sinks;         // [num_qo_heads] natural-log sink logits, or null
+  const uint8_t* custom_mask;       // bit-packed rows of each request's [qo_len, kv_len] mask, little bit order
+  const int32_t* mask_byte_indptr;  // [batch + 1]: request b's mask starts at byte mask_byte_indptr[b]
+  RopeParams rope;
+};
+
+// One unit of planned work: rows [qo_begin, qo_end) of request `request` (token indices within the request)
+// against KV positions [kv_begin, kv_end), for every head. partial_row < 0 writes the final output; otherwise
+// the attention state goes to rows partial_row .. partial_row + (qo_end - qo_begin) of the partial buffers and
+// a MergeItem combines it.
+struct WorkItem {
+  int32_t request;
+  int32_t qo_begin, qo_end;
+  int32_t kv_begin, kv_end;
+  int32_t partial_row;
+};
+
+// Combines the partial states of items [first_item, first_item + num_items), which all cover the same rows.
+struct MergeItem {
+  int32_t request;
+  int32_t qo_begin, qo_end;
+  int32_t first_item, num_items;
+};
+
+// Everything one batch-attention launch needs.
+struct AttentionParams {
+  const void* q;  // [total_qo, num_qo_heads, head_dim_qk]
+  DType q_dtype;
+  int64_t q_stride_token, q_stride_head;
+  void* o;  // [total_qo, num_qo_heads, head_dim_vo]
+  DType o_dtype;
+  int64_t o_stride_token, o_stride_head;
+  float* lse;  // [total_qo, num_qo_heads] in log2 units, or null
+  int64_t lse_stride_token;
+  KVParams kv;
+  VariantParams variant;
+  int32_t batch_size, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo;
+  const int32_t* qo_indptr;  // [batch + 1]
+  const int32_t* kv_len;     // [batch]
+  const WorkItem* items;     // [num_items]
+  int32_t num_items;
+  const MergeItem* merges;  // [num_merges]
+  int32_t num_merges;
+  float* partial_o;    // [partial_rows, num_qo_heads, head_dim_vo]
+  float* partial_lse;  // [partial_rows, num_qo_heads]
+};
+
+}  // namespace attnforge

@@ -1,0 +1,88 @@
+// plan(): host metadata in, a typed plan out. The plan says how a batch's work is cut into items, how many
+// bytes of workspace run() needs (exactly), and what batch it was made for, so run() can refuse another one.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "attnforge/kernel/params.h"
+#include "attnforge/kv_cache.h"
+
+namespace attnforge {
+
+enum class PlanKind : int32_t {
+  kDecode = 0,   // one or a few (<= 8) query tokens per request; query tiles are whole requests
+  kPrefill = 1,  // any query lengths; query tiles of a planner-chosen size
+};
+
+// The shapes and element types of one attention layer.
+struct AttentionShape {
+  int32_t num_qo_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim_qk = 0;
+  int32_t head_dim_vo = 0;  // 0: same as head_dim_qk
+  DType q_dtype = DType::kBFloat16;
+  DType kv_dtype = DType::kBFloat16;
+  DType o_dtype = DType::kBFloat16;
+};
+
+struct PlanOptions {
+  int32_t num_workers = 0;       // 0: the device's (CPU threads, or SMs)
+  bool deterministic = false;    // true: KV split at fixed positions (fixed_split_size) whatever the batch
+  int32_t fixed_split_size = 0;  // KV tokens per split in deterministic mode; 0: 2048
+  bool disable_split = false;    // never split KV (no workspace needed)
+  // The plan covers only the KV that causal attention sees (each query tile up to its diagonal), and balances
+  // work for it; run() with causal = false on such a plan is refused. Other masks (window, custom) never need
+  // a re-plan: they only narrow what a plan covers.
+  bool causal = false;
+};
+
+// Host-side metadata of a batch. The arrays are int32 views in host memory, with the same contents run() gets.
+struct BatchPlanArgs {
+  Device device = Device::cpu();  // where run() executes
+  AttentionShape shape;
+  TensorView qo_indptr;  // [batch + 1]; for kDecode it may be left out (one query per request)
+  KVFormat kv_format = KVFormat::kPagedCSR;
+  int32_t page_size = 1;     // paged formats
+  TensorView kv_indptr;      // CSR: page indptr; ragged: token indptr
+  TensorView last_page_len;  // CSR
+  TensorView seq_lens;       // block table
+  PlanOptions options;
+
+  // Fill the KV fields from a page table or ragged indptr whose views are in host memory.
+  void set_paged(const PageTable& host_table, int32_t page_size);
+  void set_ragged(const TensorView& host_kv_indptr);
+};
+
+struct AttentionPlan {
+  static constexpr int32_t kVersion = 1;
+  int32_t version = kVersion;
+  PlanKind kind = PlanKind::kDecode;
+  Device device{};
+  AttentionShape shape;
+  KVFormat kv_format = KVFormat::kPagedCSR;
+  int32_t page_size = 1;
+  int32_t batch_size = 0;
+  int64_t total_qo = 0;
+  bool causal = false;        // made with PlanOptions::causal
+  int32_t qo_tile = 0;        // query tokens per item (decode: a whole request)
+  int32_t kv_chunk = 0;       // KV tokens per item when split; 0: not split
+  std::vector<int32_t> qo_indptr;  // [batch + 1]
+  std::vector<int32_t> kv_len;     // [batch]
+  std::vector<WorkItem> items;
+  std::vector<MergeItem> merges;
+  int64_t partial_rows = 0;   // rows of partial (o, lse) state in the workspace
+  uint64_t fingerprint = 0;   // hash of qo_indptr and kv_len, checked by run() where it can see the metadata
+  size_t workspace_bytes = 0; // exact
+
+  std::string describe() const;
+};
+
+// Caller-provided scratch memory on the run device (at least plan.workspace_bytes; 256-byte aligned).
+struct Workspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+}  // namespace attnforge

@@ -1,0 +1,40 @@
+// The backend interface and the selector. One function, select(), turns a configuration into a backend and a
+// verdict; supports(), plan() and run() all go through it.
+#pragma once
+
+#include "attnforge/config.h"
+#include "attnforge/kernel/op_params.h"
+#include "attnforge/ops.h"
+
+namespace attnforge::detail {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+  // Whether this backend runs `config`, and if not, why.
+  virtual Support check(const AttentionConfig& config) const = 0;
+  // Parallel workers plan() balances over (CPU threads, SMs).
+  virtual int32_t num_workers() const = 0;
+  // Rows (query tokens x heads of a group) a prefill item should hold.
+  virtual int32_t target_tile_rows() const = 0;
+  virtual void attention(const AttentionParams& params, Stream stream) = 0;
+  virtual void merge_states(const MergeStatesParams& params, Stream stream) = 0;
+  virtual void append_kv(const AppendKVParams& params, Stream stream) = 0;
+  virtual void rope(const RopeApplyParams& params, Stream stream) = 0;
+};
+
+// The backend for a device; throws kUnsupported naming the device and the devices this build serves.
+Backend& backend_for(Device device);
+
+struct Selection {
+  Backend* backend = nullptr;
+  Support support;
+  bool invalid = false;  // the configuration itself is wrong (e.g. heads that do not divide), for every backend
+};
+Selection select(const AttentionConfig& config);
+
+// select(), throwing kUnsupported with the reason when the configuration cannot run.
+Backend& require(const AttentionConfig& config);
+
+}  // namespace attnforge::detail

@@ -1,0 +1,27 @@
+// Shape rules shared by plan() and run().
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "attnforge/config.h"
+#include "attnforge/options.h"
+#include "attnforge/plan.h"
+
+namespace attnforge::detail {
+
+// head_dim_vo = 0 means "same as head_dim_qk".
+AttentionShape normalized(const AttentionShape& s);
+// Checks that apply to every backend: positive head counts that divide, head dims multiples of 8, dtype sets.
+Support check_common(const AttentionConfig& c);
+// indptr[0] == 0 and non-decreasing.
+void check_indptr(std::span<const int32_t> indptr, const char* name);
+// Identifies a batch's KV lengths; run() compares it against the plan's.
+uint64_t batch_fingerprint(KVFormat format, int32_t page_size, std::span<const int32_t> kv_len);
+// Bytes of partial (o, lse) state for `rows` rows, each 256-byte aligned region.
+size_t partial_state_bytes(int64_t rows, const AttentionShape& s);
+// Validated RoPE parameters (rotary_dim resolved against head_dim); pos_offset is left to the caller.
+RopeParams rope_params(const RopeOptions& r, int32_t head_dim);
+inline size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+}  // namespace attnforge::detail

@@ -1,0 +1,36 @@
+// Planner heuristics: plain functions of the batch shape, unit-tested on the CPU (tests/test_planner.cc).
+#pragma once
+
+#include "attnforge/kernel/types.h"
+#include "attnforge/tensor.h"
+
+namespace attnforge::planner {
+
+// Batch decode takes at most this many query tokens per request; longer requests belong to prefill.
+constexpr int32_t kMaxDecodeQueries = 8;
+// Deterministic mode's default split: long enough that a 128K request makes 64 items.
+constexpr int32_t kDefaultFixedSplit = 2048;
+
+// Query tokens per prefill item. A tile holds tokens x group rows (the heads of a KV group share each K/V
+// load); aim at target_rows rows so short requests do not pay for a large tile and long ones amortize K/V.
+int32_t choose_qo_tile(int32_t group_size, int32_t max_qo_len, int32_t target_rows);
+
+// Rows the CPU backend aims at per item (its scratch holds 128 rows of up to 512 dims).
+constexpr int32_t kCpuTargetRows = 128;
+
+struct SplitInput {
+  int64_t num_tiles = 0;        // query tiles in the batch
+  int32_t num_kv_heads = 1;     // each tile runs once per KV head, in parallel
+  int64_t total_kv = 0;         // sum over tiles of the KV tokens each reads
+  int64_t max_kv = 0;           // the longest of those
+  int32_t num_workers = 1;      // CPU threads or SMs
+  int32_t waves = 2;            // parallel units wanted per worker
+  int32_t min_chunk = 256;      // below this a split costs more (merge, partial writes) than it gains
+  int32_t align = 16;           // chunks are a multiple of this (the page size where pages are large)
+};
+
+// KV tokens per item, or 0 for "do not split". Splits only when the tiles alone leave workers idle, and then
+// cuts so that about waves x workers units exist, none shorter than min_chunk.
+int32_t choose_kv_chunk(const SplitInput& in);
+
+}  // namespace attnforge::planner

@@ -1,0 +1,201 @@
+// plan_batch_decode / plan_batch_prefill: validate host metadata, cut the batch into work items, size the
+// workspace. Runs on the host only; never touches device memory.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "attnforge/ops.h"
+#include "backends/backend.h"
+#include "core/check.h"
+#include "core/shape.h"
+#include "planner/heuristics.h"
+
+namespace attnforge {
+
+namespace {
+
+using detail::fail_arg;
+
+// Per-request KV lengths from the host metadata, validated.
+std::vector<int32_t> kv_lengths(const BatchPlanArgs& a, int64_t batch) {
+  std::vector<int32_t> lens(static_cast<size_t>(batch));
+  switch (a.kv_format) {
+    case KVFormat::kPagedCSR: {
+      if (a.page_size < 1) fail_arg("page_size: {}; expected an integer >= 1", a.page_size);
+      auto indptr = detail::host_int32(a.kv_indptr, "kv_indptr", batch + 1);
+      auto last = detail::host_int32(a.last_page_len, "last_page_len", batch);
+      detail::check_indptr(indptr, "kv_indptr");
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t pages = indptr[b + 1] - indptr[b];
+        if (pages == 0) {
+          if (last[b] != 0)
+            fail_arg("last_page_len[{}]: {} for a request with no pages; expected 0", b, last[b]);
+          lens[b] = 0;
+          continue;
+        }
+        if (last[b] < 1 || last[b] > a.page_size)
+          fail_arg("last_page_len[{}]: {}; expected a value in [1, page_size={}]", b, last[b], a.page_size);
+        const int64_t len = (pages - 1) * a.page_size + last[b];
+        if (len > INT32_MAX) fail_arg("request {}: {} KV tokens; at most {} are supported", b, len, INT32_MAX);
+        lens[b] = static_cast<int32_t>(len);
+      }
+      break;
+    }
+    case KVFormat::kBlockTable: {
+      if (a.page_size < 1) fail_arg("page_size: {}; expected an integer >= 1", a.page_size);
+      auto seq = detail::host_int32(a.seq_lens, "seq_lens", batch);
+      for (int64_t b = 0; b < batch; ++b) {
+        if (seq[b] < 0) fail_arg("seq_lens[{}]: {}; expected a value >= 0", b, seq[b]);
+        lens[b] = seq[b];
+      }
+      break;
+    }
+    case KVFormat::kRagged: {
+      auto indptr = detail::host_int32(a.kv_indptr, "kv_indptr", batch + 1);
+      detail::check_indptr(indptr, "kv_indptr");
+      for (int64_t b = 0; b < batch; ++b) lens[b] = indptr[b + 1] - indptr[b];
+      break;
+    }
+  }
+  return lens;
+}
+
+int64_t batch_of(const BatchPlanArgs& a) {
+  switch (a.kv_format) {
+    case KVFormat::kPagedCSR:
+    case KVFormat::kRagged:
+      detail::expect_defined(a.kv_indptr, "kv_indptr");
+      detail::expect_ndim(a.kv_indptr, "kv_indptr", 1, "[batch + 1]");
+      if (a.kv_indptr.shape[0] < 1) fail_arg("kv_indptr: has 0 elements; expected batch + 1 >= 1");
+      return a.kv_indptr.shape[0] - 1;
+    case KVFormat::kBlockTable:
+      detail::expect_defined(a.seq_lens, "seq_lens");
+      detail::expect_ndim(a.seq_lens, "seq_lens", 1, "[batch]");
+      return a.seq_lens.shape[0];
+  }
+  fail_arg("kv_format: {}; expected one of {{paged-csr, block-table, ragged}}", static_cast<int>(a.kv_format));
+}
+
+AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
+  AttentionShape shape = detail::normalized(a.shape);
+  AttentionConfig config;
+  config.device = a.device;
+  config.kind = kind;
+  config.kv_format = a.kv_format;
+  config.shape = shape;
+  config.page_size = a.page_size;
+  detail::Backend& backend = detail::require(config);
+
+  const int64_t batch = batch_of(a);
+  AttentionPlan plan;
+  plan.kind = kind;
+  plan.device = a.device;
+  plan.shape = shape;
+  plan.kv_format = a.kv_format;
+  plan.page_size = a.kv_format == KVFormat::kRagged ? 1 : a.page_size;
+  plan.batch_size = static_cast<int32_t>(batch);
+  plan.kv_len = kv_lengths(a, batch);
+
+  // Query rows per request.
+  if (a.qo_indptr.defined()) {
+    auto qo = detail::host_int32(a.qo_indptr, "qo_indptr", batch + 1);
+    detail::check_indptr(qo, "qo_indptr");
+    plan.qo_indptr.assign(qo.begin(), qo.end());
+  } else if (kind == PlanKind::kDecode) {
+    plan.qo_indptr.resize(static_cast<size_t>(batch + 1));
+    for (int64_t b = 0; b <= batch; ++b) plan.qo_indptr[b] = static_cast<int32_t>(b);
+  } else {
+    fail_arg("qo_indptr: required by plan_batch_prefill but not given");
+  }
+  plan.total_qo = plan.qo_indptr[batch];
+
+  int32_t max_qo = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t qo_len = plan.qo_indptr[b + 1] - plan.qo_indptr[b];
+    if (kind == PlanKind::kDecode && qo_len > planner::kMaxDecodeQueries)
+      fail_arg("qo_indptr: request {} has {} query tokens; batch decode takes at most {} per request "
+               "(use plan_batch_prefill)", b, qo_len, planner::kMaxDecodeQueries);
+    if (a.options.causal && qo_len > plan.kv_len[b])
+      fail_arg("request {}: qo_len {} > kv_len {} with causal; causal attention needs qo_len <= kv_len", b, qo_len,
+               plan.kv_len[b]);
+    max_qo = std::max(max_qo, qo_len);
+  }
+  plan.causal = a.options.causal;
+
+  const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
+  plan.qo_tile = kind == PlanKind::kDecode
+                     ? std::max(1, max_qo)
+                     : planner::choose_qo_tile(group, std::max(1, max_qo), backend.target_tile_rows());
+
+  // Query tiles and the KV each one reads (causal: up to the last row's diagonal).
+  struct Tile {
+    int32_t request, qo_begin, qo_end, kv_end;
+  };
+  std::vector<Tile> tiles;
+  int64_t total_kv = 0, max_kv = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t qo_len = plan.qo_indptr[b + 1] - plan.qo_indptr[b];
+    const int32_t kv_len = plan.kv_len[b];
+    for (int32_t q0 = 0; q0 < qo_len; q0 += plan.qo_tile) {
+      const int32_t q1 = std::min(qo_len, q0 + plan.qo_tile);
+      const int32_t kv_end = a.options.causal ? kv_len - qo_len + q1 : kv_len;
+      tiles.push_back({static_cast<int32_t>(b), q0, q1, kv_end});
+      total_kv += kv_end;
+      max_kv = std::max<int64_t>(max_kv, kv_end);
+    }
+  }
+
+  const int32_t workers = a.options.num_workers > 0 ? a.options.num_workers : backend.num_workers();
+  int32_t chunk = 0;
+  if (a.options.deterministic) {
+    if (a.options.fixed_split_size < 0)
+      fail_arg("fixed_split_size: {}; expected 0 (default {}) or a positive token count", a.options.fixed_split_size,
+               planner::kDefaultFixedSplit);
+    chunk = a.options.fixed_split_size > 0 ? a.options.fixed_split_size : planner::kDefaultFixedSplit;
+  } else if (!a.options.disable_split) {
+    planner::SplitInput in;
+    in.num_tiles = static_cast<int64_t>(tiles.size());
+    in.num_kv_heads = shape.num_kv_heads;
+    in.total_kv = total_kv;
+    in.max_kv = max_kv;
+    in.num_workers = workers;
+    in.align = std::max(16, plan.page_size);
+    chunk = planner::choose_kv_chunk(in);
+  }
+  if (a.options.disable_split) chunk = 0;
+  plan.kv_chunk = chunk;
+
+  for (const Tile& t : tiles) {
+    const int32_t pieces = chunk > 0 && t.kv_end > chunk ? (t.kv_end + chunk - 1) / chunk : 1;
+    if (pieces == 1) {
+      plan.items.push_back({t.request, t.qo_begin, t.qo_end, 0, t.kv_end, -1});
+      continue;
+    }
+    plan.merges.push_back({t.request, t.qo_begin, t.qo_end, static_cast<int32_t>(plan.items.size()), pieces});
+    for (int32_t p = 0; p < pieces; ++p) {
+      const int32_t k0 = p * chunk, k1 = std::min(t.kv_end, k0 + chunk);
+      plan.items.push_back({t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows)});
+      plan.partial_rows += t.qo_end - t.qo_begin;
+    }
+  }
+
+  plan.fingerprint = detail::batch_fingerprint(plan.kv_format, plan.page_size, plan.kv_len);
+  plan.workspace_bytes = detail::partial_state_bytes(plan.partial_rows, shape);
+  return plan;
+}
+
+}  // namespace
+
+AttentionPlan plan_batch_decode(const BatchPlanArgs& args) { return make_plan(args, PlanKind::kDecode); }
+AttentionPlan plan_batch_prefill(const BatchPlanArgs& args) { return make_plan(args, PlanKind::kPrefill); }
+
+std::string AttentionPlan::describe() const {
+  return fmt::format("AttentionPlan v{} {}{} on {}: batch {}, {} query rows, {} KV with page size {}, qo_tile {}, "
+                     "kv_chunk {}, {} items, {} merges, workspace {} bytes",
+                     version, kind == PlanKind::kDecode ? "decode" : "prefill", causal ? " (causal)" : "",
+                     to_string(device), batch_size, total_qo, to_string(kv_format), page_size, qo_tile, kv_chunk,
+                     items.size(), merges.size(), workspace_bytes);
+}
+
+}  // namespace attnforge
