@@ -46,13 +46,15 @@ Verdict compare_values(const char* what, const std::vector<double>& got, const s
     if (e > v.max_err) v.max_err = e, worst = i;
     v.naive_err = std::max(v.naive_err, std::fabs(naive[i] - ref[i]));
   }
-  v.tolerance = 2 * v.naive_err + rounding_step(out_dtype) * std::max(max_ref, 1e-3);
+  // The floor covers outputs the naive computation happens to get exactly right (fp32 outputs): a few fp32
+  // rounding steps at the largest magnitude, the noise of a different accumulation order.
+  v.tolerance = 2 * v.naive_err + 4 * rounding_step(DType::kFloat32) * std::max(max_ref, 1e-3);
   if (v.max_err > v.tolerance) {
     v.ok = false;
     v.message = fmt::format("{}: max error {:.3g} at {} (got {:.9g}, reference {:.9g}) exceeds the tolerance {:.3g} "
-                            "(2 x naive same-precision error {:.3g} + one {} rounding step at |ref| max {:.3g})",
+                            "(2 x naive same-precision error {:.3g} + 4 fp32 rounding steps at |ref| max {:.3g}; output {})",
                             what, v.max_err, index_string(worst), got[worst], ref[worst], v.tolerance, v.naive_err,
-                            to_string(out_dtype), max_ref);
+                            max_ref, to_string(out_dtype));
   } else {
     v.message = fmt::format("{}: max error {:.3g} within {:.3g}", what, v.max_err, v.tolerance);
   }

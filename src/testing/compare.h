@@ -1,6 +1,6 @@
 // Comparator: kernel output against the float64 reference, with a tolerance derived from the same-precision
-// naive computation: max |kernel - ref| <= 2 x max |naive - ref| + (one rounding step of the output dtype at
-// the largest reference magnitude). It reports the worst element, its index and both values, and requires NaN
+// naive computation: max |kernel - ref| <= 2 x max |naive - ref| + (4 fp32 rounding steps at the largest
+// reference magnitude). It reports the worst element, its index and both values, and requires NaN
 // and infinity positions to match exactly.
 #pragma once
 
