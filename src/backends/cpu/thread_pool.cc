@@ -43,7 +43,7 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::drain(int32_t worker) {
   t_worker = worker;
-  for (int64_t i = next_.fetch_add(1); i < num_tasks_; i = next_.fetch_add(1)) (*task_)(i, worker);
+  for (int64_t i = next_.fetch_add(1); i < num_tasks_; i = next_.fetch_add(1)) task_(i, worker);
   t_worker = -1;
 }
 
@@ -64,7 +64,7 @@ void ThreadPool::worker_loop(int32_t worker) {
   }
 }
 
-void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int32_t)>& task) {
+void ThreadPool::run_tasks(int64_t n, TaskRef task) {
   if (n <= 0) return;
   if (t_worker >= 0 || num_workers_ == 1 || n == 1) {
     // Nested (inside a task: keep that task's worker and scratch) or trivial: run here.
@@ -75,7 +75,7 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int32
   std::lock_guard<std::mutex> call(call_mutex_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    task_ = &task;
+    task_ = task;
     num_tasks_ = n;
     next_.store(0);
     busy_ = num_workers_ - 1;
@@ -85,7 +85,7 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int32
   drain(0);
   std::unique_lock<std::mutex> lock(mutex_);
   done_.wait(lock, [&] { return busy_ == 0; });
-  task_ = nullptr;
+  task_ = {nullptr, nullptr};
 }
 
 }  // namespace attnforge::cpu
