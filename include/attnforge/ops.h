@@ -22,8 +22,17 @@ struct Outputs {
 AttentionPlan plan_batch_decode(const BatchPlanArgs& args);
 AttentionPlan plan_batch_prefill(const BatchPlanArgs& args);
 
+// Makes the plan's metadata visible to run(). On CUDA: writes it to the start of the workspace with one
+// cudaMemcpyAsync on `stream`, staged through `host_staging` (page-locked memory of plan.staging_bytes bytes,
+// which must stay untouched until that copy has run). It never synchronizes and never allocates. Call it after
+// every plan_*; re-planning a batch of the same size and uploading into the same workspace is how a captured
+// CUDA graph is pointed at new lengths. On the CPU it only records the workspace.
+void upload_plan(AttentionPlan& plan, const Workspace& workspace, void* host_staging = nullptr,
+                 size_t host_staging_bytes = 0, Stream stream = nullptr);
+
 // q [total_qo, num_qo_heads, head_dim_qk]. Allocates nothing, never synchronizes; the workspace must hold
-// plan.workspace_bytes. The page table and K/V must describe the batch the plan was made for.
+// plan.workspace_bytes (and, on CUDA, the uploaded plan). The page table and K/V must describe the batch the
+// plan was made for.
 void run(const AttentionPlan& plan, const TensorView& q, const PagedKVCache& kv, const Outputs& outputs,
          const AttentionOptions& options, const Workspace& workspace, Stream stream = nullptr);
 void run(const AttentionPlan& plan, const TensorView& q, const RaggedKV& kv, const Outputs& outputs,

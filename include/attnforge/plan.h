@@ -72,9 +72,21 @@ struct AttentionPlan {
   std::vector<int32_t> kv_len;     // [batch]
   std::vector<WorkItem> items;
   std::vector<MergeItem> merges;
-  int64_t partial_rows = 0;   // rows of partial (o, lse) state in the workspace
-  uint64_t fingerprint = 0;   // hash of qo_indptr and kv_len, checked by run() where it can see the metadata
-  size_t workspace_bytes = 0; // exact
+  int64_t partial_rows = 0;   // rows of partial (o, lse) state in use
+  uint64_t fingerprint = 0;   // hash of the KV lengths, checked by run() where it can see the metadata
+
+  // Capacities: the most items, merges and partial rows any plan of this batch size, shape and device can have.
+  // On CUDA they size the grids and the workspace, so a graph captured with one plan replays any re-plan of the
+  // same batch size (upload_plan then refreshes the metadata the kernels read). On the CPU they equal the counts.
+  int32_t item_capacity = 0;
+  int32_t merge_capacity = 0;
+  int64_t partial_row_capacity = 0;
+  size_t metadata_bytes = 0;   // CUDA: the plan's metadata at the start of the workspace (0 on the CPU)
+  size_t workspace_bytes = 0;  // exact: metadata + partial states at capacity
+  size_t staging_bytes = 0;    // CUDA: page-locked host bytes upload_plan stages the metadata through
+
+  // Set by upload_plan: the workspace whose metadata matches this plan (run() checks it).
+  const void* uploaded_to = nullptr;
 
   std::string describe() const;
 };

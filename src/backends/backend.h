@@ -14,10 +14,16 @@ class Backend {
   virtual const char* name() const = 0;
   // Whether this backend runs `config`, and if not, why.
   virtual Support check(const AttentionConfig& config) const = 0;
-  // Parallel workers plan() balances over (CPU threads, SMs).
-  virtual int32_t num_workers() const = 0;
+  // Parallel workers plan() balances over for this shape (CPU threads; SMs x resident CTAs).
+  virtual int32_t num_workers(const AttentionShape& shape) const = 0;
   // Rows (query tokens x heads of a group) a prefill item should hold.
   virtual int32_t target_tile_rows() const = 0;
+  // Whether kernels read the plan from the workspace (device memory) rather than from the plan object.
+  virtual bool plan_in_device_memory() const { return false; }
+  // Copies host bytes to device memory, asynchronously on `stream` (device backends only).
+  virtual void copy_to_device(void* dst, const void* src, size_t bytes, Stream stream) {
+    (void)dst, (void)src, (void)bytes, (void)stream;
+  }
   virtual void attention(const AttentionParams& params, Stream stream) = 0;
   virtual void merge_states(const MergeStatesParams& params, Stream stream) = 0;
   virtual void append_kv(const AppendKVParams& params, Stream stream) = 0;

@@ -8,11 +8,14 @@
 namespace attnforge::detail {
 
 Backend& cpu_backend();
+#if ATTNFORGE_WITH_CUDA
+Backend* cuda_backend(int32_t device);  // null when the device does not exist at run time
+#endif
 
 namespace {
 const char* kDevicesBuilt =
 #if ATTNFORGE_WITH_CUDA
-    "{cpu} (the CUDA backend has no attention kernels in this version)";
+    "{cpu, cuda}";
 #else
     "{cpu} (this build has no CUDA backend: nvcc was not found when it was configured)";
 #endif
@@ -21,7 +24,13 @@ const char* kDevicesBuilt =
 Backend& backend_for(Device device) {
   switch (device.type) {
     case DeviceType::kCPU: return cpu_backend();
-    case DeviceType::kCUDA: break;
+    case DeviceType::kCUDA:
+#if ATTNFORGE_WITH_CUDA
+      if (Backend* b = cuda_backend(device.id)) return *b;
+      fail(ErrorKind::kUnsupported, "device {}: no such CUDA device at run time", to_string(device));
+#else
+      break;
+#endif
   }
   fail(ErrorKind::kUnsupported, "device {}: not served by this build; devices served: {}", to_string(device),
        kDevicesBuilt);

@@ -42,7 +42,7 @@ std::vector<DeviceInfo> available_devices() {
     out.push_back({Device::cuda(d.id), d.name,
                    fmt::format("sm_{}{}, {} SMs, {:.1f} GiB, L2 {:.1f} MiB", d.major, d.minor, d.sms,
                                d.memory_bytes / 1073741824.0, d.l2_bytes / 1048576.0),
-                   false});
+                   d.major >= 8});
 #endif
   return out;
 }
@@ -56,7 +56,7 @@ std::string build_info() {
 #endif
                      __cplusplus / 100 % 100,
 #if ATTNFORGE_WITH_CUDA
-                     "on (sm_80, sm_90a; no CUDA attention kernels in this version)"
+                     "on (sm_80, sm_90a; batch decode)"
 #else
                      "off"
 #endif

@@ -78,4 +78,9 @@ size_t partial_state_bytes(int64_t rows, const AttentionShape& s) {
   return align256(o) + align256(lse);
 }
 
+size_t plan_metadata_bytes(int64_t batch, int64_t item_capacity, int64_t merge_capacity) {
+  return align256(sizeof(PlanView)) + align256((batch + 1) * sizeof(int32_t)) + align256(batch * sizeof(int32_t)) +
+         align256(item_capacity * sizeof(WorkItem)) + align256(merge_capacity * sizeof(MergeItem));
+}
+
 }  // namespace attnforge::detail

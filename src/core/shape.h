@@ -20,6 +20,10 @@ void check_indptr(std::span<const int32_t> indptr, const char* name);
 uint64_t batch_fingerprint(KVFormat format, int32_t page_size, std::span<const int32_t> kv_len);
 // Bytes of partial (o, lse) state for `rows` rows, each 256-byte aligned region.
 size_t partial_state_bytes(int64_t rows, const AttentionShape& s);
+// Bytes of the plan metadata a device backend keeps at the start of the workspace (PlanView, qo_indptr, kv_len,
+// items, merges; each region 256-byte aligned).
+size_t plan_metadata_bytes(int64_t batch, int64_t item_capacity, int64_t merge_capacity);
+
 // Validated RoPE parameters (rotary_dim resolved against head_dim); pos_offset is left to the caller.
 RopeParams rope_params(const RopeOptions& r, int32_t head_dim);
 inline size_t align256(size_t n) { return (n + 255) / 256 * 256; }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "attnforge/ops.h"
 #include "backends/backend.h"
@@ -282,6 +283,31 @@ VariantParams variant_params(const AttentionPlan& plan, const AttentionOptions& 
   return v;
 }
 
+void check_workspace(const AttentionPlan& plan, const Workspace& ws) {
+  if (plan.workspace_bytes == 0) return;
+  if (ws.bytes < plan.workspace_bytes)
+    fail(ErrorKind::kWorkspace, "workspace: {} bytes; the plan needs {} (AttentionPlan::workspace_bytes)", ws.bytes,
+         plan.workspace_bytes);
+  if (ws.data == nullptr) fail(ErrorKind::kWorkspace, "workspace: data is null; the plan needs {} bytes", plan.workspace_bytes);
+  if (reinterpret_cast<uintptr_t>(ws.data) % 256 != 0)
+    fail(ErrorKind::kWorkspace, "workspace: address {} is not 256-byte aligned", ws.data);
+}
+
+// The kernels' view of a plan whose workspace starts at `base`: counts and the partial-state regions, which
+// follow the metadata. Metadata pointers are filled by the caller (host or device addresses).
+PlanView plan_view(const AttentionPlan& plan, void* base) {
+  PlanView v{};
+  v.num_items = static_cast<int32_t>(plan.items.size());
+  v.num_merges = static_cast<int32_t>(plan.merges.size());
+  if (plan.partial_row_capacity > 0) {
+    char* partial = static_cast<char*>(base) + plan.metadata_bytes;
+    v.partial_o = reinterpret_cast<float*>(partial);
+    v.partial_lse = reinterpret_cast<float*>(
+        partial + detail::align256(plan.partial_row_capacity * plan.shape.num_qo_heads * plan.shape.head_dim_vo * sizeof(float)));
+  }
+  return v;
+}
+
 void launch(const AttentionPlan& plan, const TensorView& q, const KVParams& kv, const TensorView& k_view,
             const TensorView& v_view, KVLayout layout, const Outputs& out, const AttentionOptions& options,
             const Workspace& ws, Stream stream) {
@@ -326,14 +352,7 @@ void launch(const AttentionPlan& plan, const TensorView& q, const KVParams& kv, 
 
   AttentionParams p{};
   p.variant = variant_params(plan, options);
-  if (plan.workspace_bytes > 0) {
-    if (ws.bytes < plan.workspace_bytes)
-      fail(ErrorKind::kWorkspace, "workspace: {} bytes; the plan needs {} (AttentionPlan::workspace_bytes)", ws.bytes,
-           plan.workspace_bytes);
-    if (ws.data == nullptr) fail(ErrorKind::kWorkspace, "workspace: data is null; the plan needs {} bytes", plan.workspace_bytes);
-    if (reinterpret_cast<uintptr_t>(ws.data) % 256 != 0)
-      fail(ErrorKind::kWorkspace, "workspace: address {} is not 256-byte aligned", ws.data);
-  }
+  check_workspace(plan, ws);
 
   AttentionConfig config;
   config.device = dev;
@@ -362,16 +381,22 @@ void launch(const AttentionPlan& plan, const TensorView& q, const KVParams& kv, 
   p.num_kv_heads = s.num_kv_heads;
   p.head_dim_qk = s.head_dim_qk;
   p.head_dim_vo = s.head_dim_vo;
-  p.qo_indptr = plan.qo_indptr.data();
-  p.kv_len = plan.kv_len.data();
-  p.items = plan.items.data();
-  p.num_items = static_cast<int32_t>(plan.items.size());
-  p.merges = plan.merges.data();
-  p.num_merges = static_cast<int32_t>(plan.merges.size());
-  if (plan.partial_rows > 0) {
-    p.partial_o = static_cast<float*>(ws.data);
-    p.partial_lse = reinterpret_cast<float*>(static_cast<char*>(ws.data) +
-                                             detail::align256(plan.partial_rows * s.num_qo_heads * s.head_dim_vo * sizeof(float)));
+  p.item_capacity = plan.item_capacity;
+  p.merge_capacity = plan.merge_capacity;
+  p.qo_tile = plan.qo_tile;
+  PlanView host_view{};
+  if (backend.plan_in_device_memory()) {
+    if (plan.uploaded_to == nullptr || plan.uploaded_to != ws.data)
+      fail(ErrorKind::kPlanMismatch, "plan: not uploaded to this workspace ({}); call upload_plan(plan, workspace, "
+           "staging, ...) after planning and before run()", ws.data);
+    p.plan = static_cast<const PlanView*>(ws.data);
+  } else {
+    host_view = plan_view(plan, ws.data);
+    host_view.qo_indptr = plan.qo_indptr.data();
+    host_view.kv_len = plan.kv_len.data();
+    host_view.items = plan.items.data();
+    host_view.merges = plan.merges.data();
+    p.plan = &host_view;
   }
   backend.attention(p, stream);
 }
@@ -417,6 +442,40 @@ void single(PlanKind kind, const TensorView& q3, const TensorView& k, const Tens
 }
 
 }  // namespace
+
+void upload_plan(AttentionPlan& plan, const Workspace& workspace, void* host_staging, size_t host_staging_bytes,
+                 Stream stream) {
+  if (plan.version != AttentionPlan::kVersion)
+    fail(ErrorKind::kPlanMismatch, "plan: version {}; this library runs plans of version {}", plan.version,
+         AttentionPlan::kVersion);
+  check_workspace(plan, workspace);
+  detail::Backend& backend = detail::backend_for(plan.device);
+  if (backend.plan_in_device_memory()) {
+    if (host_staging == nullptr || host_staging_bytes < plan.staging_bytes)
+      fail_arg("host_staging: {} bytes at {}; the plan needs {} bytes of page-locked host memory "
+               "(AttentionPlan::staging_bytes)", host_staging_bytes, host_staging, plan.staging_bytes);
+    char* stage = static_cast<char*>(host_staging);
+    char* base = static_cast<char*>(workspace.data);
+    PlanView v = plan_view(plan, workspace.data);
+    size_t off = detail::align256(sizeof(PlanView));
+    auto place = [&](const void* src, size_t bytes, size_t region) {
+      std::memcpy(stage + off, src, bytes);
+      const void* device_address = base + off;
+      off += detail::align256(region);
+      return device_address;
+    };
+    const size_t batch = static_cast<size_t>(plan.batch_size);
+    v.qo_indptr = static_cast<const int32_t*>(place(plan.qo_indptr.data(), (batch + 1) * sizeof(int32_t), (batch + 1) * sizeof(int32_t)));
+    v.kv_len = static_cast<const int32_t*>(place(plan.kv_len.data(), batch * sizeof(int32_t), batch * sizeof(int32_t)));
+    v.items = static_cast<const WorkItem*>(place(plan.items.data(), plan.items.size() * sizeof(WorkItem),
+                                                  plan.item_capacity * sizeof(WorkItem)));
+    v.merges = static_cast<const MergeItem*>(place(plan.merges.data(), plan.merges.size() * sizeof(MergeItem),
+                                                    plan.merge_capacity * sizeof(MergeItem)));
+    std::memcpy(stage, &v, sizeof(v));
+    backend.copy_to_device(workspace.data, stage, plan.metadata_bytes, stream);
+  }
+  plan.uploaded_to = workspace.data;
+}
 
 void run(const AttentionPlan& plan, const TensorView& q, const PagedKVCache& kv, const Outputs& outputs,
          const AttentionOptions& options, const Workspace& workspace, Stream stream) {

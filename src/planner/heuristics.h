@@ -29,6 +29,9 @@ struct SplitInput {
   int32_t align = 16;           // chunks are a multiple of this (the page size where pages are large)
 };
 
+// Items per KV head the split aims at: waves x workers spread over the KV heads.
+int64_t split_target_items(const SplitInput& in);
+
 // KV tokens per item, or 0 for "do not split". Splits only when the tiles alone leave workers idle, and then
 // cuts so that about waves x workers units exist, none shorter than min_chunk.
 int32_t choose_kv_chunk(const SplitInput& in);

@@ -146,7 +146,14 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     }
   }
 
-  const int32_t workers = a.options.num_workers > 0 ? a.options.num_workers : backend.num_workers();
+  const int32_t workers = a.options.num_workers > 0 ? a.options.num_workers : backend.num_workers(shape);
+  planner::SplitInput in;
+  in.num_tiles = static_cast<int64_t>(tiles.size());
+  in.num_kv_heads = shape.num_kv_heads;
+  in.total_kv = total_kv;
+  in.max_kv = max_kv;
+  in.num_workers = workers;
+  in.align = std::max(16, plan.page_size);
   int32_t chunk = 0;
   if (a.options.deterministic) {
     if (a.options.fixed_split_size < 0)
@@ -154,34 +161,54 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
                planner::kDefaultFixedSplit);
     chunk = a.options.fixed_split_size > 0 ? a.options.fixed_split_size : planner::kDefaultFixedSplit;
   } else if (!a.options.disable_split) {
-    planner::SplitInput in;
-    in.num_tiles = static_cast<int64_t>(tiles.size());
-    in.num_kv_heads = shape.num_kv_heads;
-    in.total_kv = total_kv;
-    in.max_kv = max_kv;
-    in.num_workers = workers;
-    in.align = std::max(16, plan.page_size);
     chunk = planner::choose_kv_chunk(in);
   }
   if (a.options.disable_split) chunk = 0;
   plan.kv_chunk = chunk;
 
   for (const Tile& t : tiles) {
-    const int32_t pieces = chunk > 0 && t.kv_end > chunk ? (t.kv_end + chunk - 1) / chunk : 1;
-    if (pieces == 1) {
+    // Deterministic mode cuts at multiples of the fixed size; otherwise the pieces are balanced, aligned up to
+    // the page or 16 tokens, so no item is a short remainder.
+    int32_t piece = t.kv_end;
+    if (chunk > 0 && t.kv_end > chunk) {
+      piece = chunk;
+      if (!a.options.deterministic) {
+        const int32_t pieces = (t.kv_end + chunk - 1) / chunk;
+        piece = ((t.kv_end + pieces - 1) / pieces + in.align - 1) / in.align * in.align;
+      }
+    }
+    const int32_t pieces = piece > 0 ? (t.kv_end + piece - 1) / piece : 1;
+    if (pieces <= 1) {
       plan.items.push_back({t.request, t.qo_begin, t.qo_end, 0, t.kv_end, -1});
       continue;
     }
     plan.merges.push_back({t.request, t.qo_begin, t.qo_end, static_cast<int32_t>(plan.items.size()), pieces});
     for (int32_t p = 0; p < pieces; ++p) {
-      const int32_t k0 = p * chunk, k1 = std::min(t.kv_end, k0 + chunk);
+      const int32_t k0 = p * piece, k1 = std::min(t.kv_end, k0 + piece);
       plan.items.push_back({t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows)});
       plan.partial_rows += t.qo_end - t.qo_begin;
     }
   }
 
   plan.fingerprint = detail::batch_fingerprint(plan.kv_format, plan.page_size, plan.kv_len);
-  plan.workspace_bytes = detail::partial_state_bytes(plan.partial_rows, shape);
+  const int32_t num_items = static_cast<int32_t>(plan.items.size());
+  if (backend.plan_in_device_memory()) {
+    // Any split of this batch size has at most tiles + target items (pieces = ceil(kv / chunk) and chunk >=
+    // total_kv / target), so sizing by that bound lets a re-plan with other lengths reuse the workspace.
+    int64_t bound = num_items;
+    if (!a.options.deterministic && !a.options.disable_split)
+      bound = std::max<int64_t>(bound, static_cast<int64_t>(tiles.size()) + planner::split_target_items(in));
+    plan.item_capacity = static_cast<int32_t>(bound);
+    plan.merge_capacity = static_cast<int32_t>(tiles.size());
+    plan.partial_row_capacity = std::max<int64_t>(plan.partial_rows, static_cast<int64_t>(bound) * plan.qo_tile);
+    plan.metadata_bytes = detail::plan_metadata_bytes(plan.batch_size, plan.item_capacity, plan.merge_capacity);
+  } else {
+    plan.item_capacity = num_items;
+    plan.merge_capacity = static_cast<int32_t>(plan.merges.size());
+    plan.partial_row_capacity = plan.partial_rows;
+  }
+  plan.staging_bytes = plan.metadata_bytes;
+  plan.workspace_bytes = plan.metadata_bytes + detail::partial_state_bytes(plan.partial_row_capacity, shape);
   return plan;
 }
 

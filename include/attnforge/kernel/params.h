@@ -91,6 +91,21 @@ struct MergeItem {
   int32_t first_item, num_items;
 };
 
+// The plan as kernels read it. It lives in memory, never in kernel arguments: on the CPU in host memory for the
+// duration of run(); on CUDA at the start of the workspace, written by upload_plan. A CUDA graph captured once
+// therefore replays correctly after a re-plan and upload: every count and pointer is read afresh. Kernels walk
+// the items with a grid-stride loop, so the grid size never limits what a plan may contain.
+struct PlanView {
+  int32_t num_items;
+  int32_t num_merges;
+  const int32_t* qo_indptr;  // [batch + 1]
+  const int32_t* kv_len;     // [batch]
+  const WorkItem* items;     // [num_items]
+  const MergeItem* merges;   // [num_merges]
+  float* partial_o;          // [partial rows, num_qo_heads, head_dim_vo]
+  float* partial_lse;        // [partial rows, num_qo_heads]
+};
+
 // Everything one batch-attention launch needs.
 struct AttentionParams {
   const void* q;  // [total_qo, num_qo_heads, head_dim_qk]
@@ -104,14 +119,9 @@ struct AttentionParams {
   KVParams kv;
   VariantParams variant;
   int32_t batch_size, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo;
-  const int32_t* qo_indptr;  // [batch + 1]
-  const int32_t* kv_len;     // [batch]
-  const WorkItem* items;     // [num_items]
-  int32_t num_items;
-  const MergeItem* merges;  // [num_merges]
-  int32_t num_merges;
-  float* partial_o;    // [partial_rows, num_qo_heads, head_dim_vo]
-  float* partial_lse;  // [partial_rows, num_qo_heads]
+  const PlanView* plan;
+  // Launch sizes, from the plan's capacities (fixed for a batch size, so graphs survive re-plans).
+  int32_t item_capacity, merge_capacity, qo_tile;
 };
 
 }  // namespace attnforge

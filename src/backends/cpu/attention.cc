@@ -37,7 +37,7 @@ inline void scale_row(float* __restrict y, float a, int32_t n) {
 
 // Writes a finished row: to the output (applying the head's sink) or to the partial-state buffers.
 void write_row(const AttentionParams& p, const WorkItem& it, int32_t tok, int32_t h, float* o_row, float lse_nat) {
-  const int32_t qo_start = p.qo_indptr[it.request];
+  const int32_t qo_start = p.plan->qo_indptr[it.request];
   if (it.partial_row < 0) {
     if (p.variant.sinks) {
       const float sink = p.variant.sinks[h];
@@ -50,8 +50,8 @@ void write_row(const AttentionParams& p, const WorkItem& it, int32_t tok, int32_
     if (p.lse) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse_nat * kLog2e;
   } else {
     const int64_t row = static_cast<int64_t>(it.partial_row) + (tok - it.qo_begin);
-    std::memcpy(p.partial_o + (row * p.num_qo_heads + h) * p.head_dim_vo, o_row, sizeof(float) * p.head_dim_vo);
-    p.partial_lse[row * p.num_qo_heads + h] = lse_nat * kLog2e;
+    std::memcpy(p.plan->partial_o + (row * p.num_qo_heads + h) * p.head_dim_vo, o_row, sizeof(float) * p.head_dim_vo);
+    p.plan->partial_lse[row * p.num_qo_heads + h] = lse_nat * kLog2e;
   }
 }
 
@@ -60,7 +60,8 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t kv_head, int32
   const KVParams& kv = p.kv;
   const VariantParams& vp = p.variant;
   const int32_t b = it.request;
-  const int32_t qo_start = p.qo_indptr[b], qo_len = p.qo_indptr[b + 1] - qo_start, kv_len = p.kv_len[b];
+  const int32_t qo_start = p.plan->qo_indptr[b], qo_len = p.plan->qo_indptr[b + 1] - qo_start;
+  const int32_t kv_len = p.plan->kv_len[b];
   const int32_t group = p.num_qo_heads / p.num_kv_heads;
   const int32_t dqk = p.head_dim_qk, dvo = p.head_dim_vo;
   const int32_t rows = row1 - row0;
@@ -169,16 +170,17 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t kv_head, int32
 // Combines the partial states of one merge item for one head into the output.
 void merge_item(const AttentionParams& p, const MergeItem& mi, int32_t h, float* o) {
   const int32_t dvo = p.head_dim_vo;
-  const int32_t qo_start = p.qo_indptr[mi.request];
+  const PlanView& plan = *p.plan;
+  const int32_t qo_start = plan.qo_indptr[mi.request];
   for (int32_t tok = mi.qo_begin; tok < mi.qo_end; ++tok) {
     std::fill(o, o + dvo, 0.f);
     float lse = kNegInf;
     for (int32_t k = 0; k < mi.num_items; ++k) {
-      const int64_t row = static_cast<int64_t>(p.items[mi.first_item + k].partial_row) + (tok - mi.qo_begin);
-      const float lse_k = p.partial_lse[row * p.num_qo_heads + h];
+      const int64_t row = static_cast<int64_t>(plan.items[mi.first_item + k].partial_row) + (tok - mi.qo_begin);
+      const float lse_k = plan.partial_lse[row * p.num_qo_heads + h];
       float wa, wb;
       lse = merge_weights(lse, lse_k, &wa, &wb);
-      const float* part = p.partial_o + (row * p.num_qo_heads + h) * dvo;
+      const float* part = plan.partial_o + (row * p.num_qo_heads + h) * dvo;
 #pragma omp simd
       for (int32_t d = 0; d < dvo; ++d) o[d] = wa * o[d] + wb * part[d];
     }
@@ -200,21 +202,23 @@ void attention(const AttentionParams& p) {
   ThreadPool& pool = ThreadPool::instance();
   const int32_t group = p.num_qo_heads / p.num_kv_heads;
   int32_t max_rows = 0;
-  for (int32_t i = 0; i < p.num_items; ++i)
-    max_rows = std::max(max_rows, (p.items[i].qo_end - p.items[i].qo_begin) * group);
+  const PlanView& plan = *p.plan;
+  const int32_t num_items = plan.num_items, num_merges = plan.num_merges;
+  for (int32_t i = 0; i < num_items; ++i)
+    max_rows = std::max(max_rows, (plan.items[i].qo_end - plan.items[i].qo_begin) * group);
   const int32_t row_blocks = (max_rows + kMaxRows - 1) / kMaxRows;
   const int64_t per_item = static_cast<int64_t>(p.num_kv_heads) * row_blocks;
-  pool.parallel_for(p.num_items * per_item, [&](int64_t task, int32_t worker) {
-    const WorkItem& it = p.items[task / per_item];
+  pool.parallel_for(num_items * per_item, [&](int64_t task, int32_t worker) {
+    const WorkItem& it = plan.items[task / per_item];
     const int32_t kv_head = static_cast<int32_t>((task % per_item) / row_blocks);
     const int32_t rb = static_cast<int32_t>(task % row_blocks);
     const int32_t rows = (it.qo_end - it.qo_begin) * group;
     const int32_t row0 = rb * kMaxRows, row1 = std::min(rows, row0 + kMaxRows);
     if (row0 < row1) attend(p, it, kv_head, row0, row1, pool.scratch(worker));
   });
-  if (p.num_merges > 0) {
-    pool.parallel_for(static_cast<int64_t>(p.num_merges) * p.num_qo_heads, [&](int64_t task, int32_t worker) {
-      merge_item(p, p.merges[task / p.num_qo_heads], static_cast<int32_t>(task % p.num_qo_heads),
+  if (num_merges > 0) {
+    pool.parallel_for(static_cast<int64_t>(num_merges) * p.num_qo_heads, [&](int64_t task, int32_t worker) {
+      merge_item(p, plan.merges[task / p.num_qo_heads], static_cast<int32_t>(task % p.num_qo_heads),
                  pool.scratch(worker));
     });
   }

@@ -22,7 +22,7 @@ class CpuBackend final : public Backend {
                                  s.head_dim_qk, s.head_dim_vo, cpu::kMaxHeadDim)};
     return {};
   }
-  int32_t num_workers() const override { return cpu::ThreadPool::instance().size(); }
+  int32_t num_workers(const AttentionShape&) const override { return cpu::ThreadPool::instance().size(); }
   int32_t target_tile_rows() const override { return planner::kCpuTargetRows; }
   void attention(const AttentionParams& p, Stream) override { cpu::attention(p); }
   void merge_states(const MergeStatesParams& p, Stream) override { cpu::merge_states(p); }

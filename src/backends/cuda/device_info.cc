@@ -1,4 +1,4 @@
-// CUDA device discovery. Compiled only when nvcc is present.
+// CUDA device discovery (host code; built only when nvcc is present).
 #include <cuda_runtime.h>
 
 #include <string>

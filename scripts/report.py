@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Combines attnforge's benchmark JSON and the peers' JSON (same run, same shapes) into a markdown table with
+the achieved bandwidth, its share of the copy bandwidth measured in the same run, and the ratio to each peer."""
+import json
+import sys
+
+
+def main():
+    ours = json.load(open(sys.argv[1]))
+    peers = json.load(open(sys.argv[2])) if len(sys.argv) > 2 else []
+    header = [r for r in ours if r.get("system") == "ceiling"]
+    lines = []
+    for c in header:
+        unit = "GB/s" if "gbps" in c else "GFLOP/s"
+        lines.append(f"- ceiling {c['case']}: {c.get('gbps', c.get('gflops')):.0f} {unit}")
+    by_case = {}
+    for p in peers:
+        by_case.setdefault(p["case"], {})[p["system"]] = p
+    systems = sorted({p["system"] for p in peers})
+    lines.append("")
+    lines.append("| suite | case | device | median us | TB/s or TFLOP/s | % ceiling | " +
+                 " | ".join(f"x vs {s}" for s in systems) + " |")
+    lines.append("|" + "---|" * (6 + len(systems)))
+    for r in ours:
+        if r.get("system") != "attnforge":
+            continue
+        rate = r.get("gbps", r.get("gflops", 0)) / 1e3
+        ratios = []
+        for s in systems:
+            p = by_case.get(r["case"], {}).get(s)
+            ratios.append(f"{p['median_us'] / r['median_us']:.2f}" if p else "-")
+        lines.append(f"| {r['suite']} | {r['case']} | {r['device']} | {r['median_us']:.1f} | {rate:.3f} | "
+                     f"{r.get('pct_of_ceiling', 0):.0f}% | " + " | ".join(ratios) + " |")
+    lines.append("")
+    lines.append("Ratios are peer time / attnforge time on the same shapes in the same run (above 1: attnforge faster).")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+// The CUDA backend: batch decode on paged and ragged KV (sm_80 and newer). One instance per device.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "backends/backend.h"
+#include "backends/cuda/cuda_check.h"
+#include "core/check.h"
+#include "backends/cuda/decode/decode.h"
+#include "core/shape.h"
+
+namespace attnforge::detail {
+
+namespace {
+
+// Restores the calling thread's current device when it goes out of scope.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    ATTNFORGE_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) ATTNFORGE_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() {
+    int now = previous_;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+};
+
+void expect_aligned(const void* ptr, const char* name) {
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
+    fail_arg("{}: address {} is not 16-byte aligned; the CUDA kernels read rows in 16-byte vectors", name, ptr);
+}
+void expect_stride(int64_t stride, const char* name) {
+  if (stride % 8 != 0)
+    fail_arg("{}: stride {} elements; the CUDA kernels need strides that are multiples of 8 elements (16 bytes)",
+             name, stride);
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {
+    cudaDeviceProp prop{};
+    ATTNFORGE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    sms_ = prop.multiProcessorCount;
+    major_ = prop.major;
+    minor_ = prop.minor;
+  }
+
+  const char* name() const override { return "cuda"; }
+
+  Support check(const AttentionConfig& c) const override {
+    const AttentionShape s = normalized(c.shape);
+    auto no = [](std::string why) { return Support{false, std::move(why)}; };
+    if (major_ < 8)
+      return no(fmt::format("device cuda:{}: compute capability {}.{}; the CUDA backend needs 8.0 or newer", device_,
+                            major_, minor_));
+    if (c.kind != PlanKind::kDecode)
+      return no("kind prefill: the CUDA backend has no prefill kernels yet (issue 4); use plan_batch_decode for up "
+                "to 8 query tokens per request, or the CPU backend");
+    if (s.q_dtype != DType::kBFloat16 && s.q_dtype != DType::kFloat16)
+      return no(fmt::format("q_dtype {}: the CUDA decode kernels take {{bfloat16, float16}}", to_string(s.q_dtype)));
+    if (s.kv_dtype != s.q_dtype)
+      return no(fmt::format("kv_dtype {} with q_dtype {}: the CUDA decode kernels need K/V in the dtype of Q "
+                            "(fp8 K/V is not built yet)",
+                            to_string(s.kv_dtype), to_string(s.q_dtype)));
+    if (s.o_dtype != s.q_dtype && s.o_dtype != DType::kFloat32)
+      return no(fmt::format("o_dtype {}: the CUDA decode kernels write {{{}, float32}}", to_string(s.o_dtype),
+                            to_string(s.q_dtype)));
+    if (s.head_dim_qk != s.head_dim_vo || (s.head_dim_qk != 64 && s.head_dim_qk != 128 && s.head_dim_qk != 256))
+      return no(fmt::format("head_dim {}/{}: the CUDA decode kernels take equal Q/K and V head dims in {{64, 128, 256}}",
+                            s.head_dim_qk, s.head_dim_vo));
+    if (c.rope) return no("rope: RoPE fused into attention is not built for CUDA yet; apply it with apply_rope first");
+    return {};
+  }
+
+  int32_t num_workers(const AttentionShape& shape) const override {
+    return sms_ * cuda::decode_ctas_per_sm(normalized(shape).head_dim_qk);
+  }
+  // One mma M tile: query tokens x group heads of a decode item.
+  int32_t target_tile_rows() const override { return 16; }
+  bool plan_in_device_memory() const override { return true; }
+
+  void copy_to_device(void* dst, const void* src, size_t bytes, Stream stream) override {
+    DeviceGuard guard(device_);
+    ATTNFORGE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
+  }
+
+  void attention(const AttentionParams& p, Stream stream) override {
+    expect_aligned(p.q, "q");
+    expect_stride(p.q_stride_token, "q (token)");
+    expect_stride(p.q_stride_head, "q (head)");
+    expect_aligned(p.kv.k, "kv.k");
+    expect_aligned(p.kv.v, "kv.v");
+    expect_stride(p.kv.k_stride_page, "kv.k (page)");
+    expect_stride(p.kv.k_stride_head, "kv.k (head)");
+    expect_stride(p.kv.v_stride_page, "kv.v (page)");
+    expect_stride(p.kv.v_stride_head, "kv.v (head)");
+    if (p.kv.format != KVFormat::kRagged) {
+      expect_stride(p.kv.k_stride_token, "kv.k (token)");
+      expect_stride(p.kv.v_stride_token, "kv.v (token)");
+    }
+    DeviceGuard guard(device_);
+    const int group = p.num_qo_heads / p.num_kv_heads;
+    cuda::DecodeLaunch launch{p.item_capacity, p.merge_capacity, (p.qo_tile * group + 15) / 16};
+    cuda::run_decode(p, launch, static_cast<cudaStream_t>(stream));
+  }
+
+  void merge_states(const MergeStatesParams&, Stream) override { unsupported("merge_state(s)"); }
+  void append_kv(const AppendKVParams&, Stream) override { unsupported("append_paged_kv_cache"); }
+  void rope(const RopeApplyParams&, Stream) override { unsupported("apply_rope"); }
+
+ private:
+  [[noreturn]] void unsupported(const char* op) const {
+    fail(ErrorKind::kUnsupported, "{} on cuda:{}: not built for the CUDA backend yet; run it on the CPU backend", op,
+         device_);
+  }
+
+  int device_;
+  int sms_ = 0, major_ = 0, minor_ = 0;
+};
+
+}  // namespace
+
+Backend* cuda_backend(int32_t device) {
+  static std::mutex mutex;
+  static std::vector<std::unique_ptr<CudaBackend>> backends;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (backends.empty()) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+      cudaGetLastError();
+      count = 0;
+    }
+    backends.resize(count);
+  }
+  if (device < 0 || device >= static_cast<int32_t>(backends.size())) return nullptr;
+  if (!backends[device]) backends[device] = std::make_unique<CudaBackend>(device);
+  return backends[device].get();
+}
+
+}  // namespace attnforge::detail

@@ -1,0 +1,306 @@
+// Batch decode on tensor cores. One CTA = (work item, KV head, block of 16 rows); rows are the item's query
+// tokens times the query heads of the KV head's group, so every K/V element loaded is used by all of them.
+// The 4 warps split each 64-token tile (16 tokens each) and keep their own online-softmax state; the states
+// are merged through shared memory at the end. K/V tiles stream through a 3-stage cp.async pipeline, each
+// row fetched from its page with the shared KVParams address arithmetic. Self-contained for NVRTC.
+#pragma once
+
+#include "attnforge/kernel/params.h"
+#include "attnforge/kernel/state.h"
+#include "attnforge/kernel/variant.h"
+#include "backends/cuda/device/ptx.cuh"
+
+namespace attnforge::cuda {
+
+template <int kHeadDim_, typename Elem_>
+struct DecodeTraits {
+  using Elem = Elem_;  // Bf16 or F16: Q and K/V element type, and the mma operand type
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kThreads = 128;
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kRows = 16;                 // one mma M tile
+  static constexpr int kTileTokens = 16 * kWarps;  // 16 tokens per warp per tile
+  static constexpr int kStages = 3;
+  static constexpr int kChunks = kHeadDim / 8;     // 16-byte chunks per row
+  static constexpr int kRowGroups = kThreads / kChunks;
+  static constexpr int kLoadRows = kTileTokens / kRowGroups;  // rows of a tile each thread copies
+  static constexpr int kTileElems = kTileTokens * kHeadDim;
+  // Shared memory: Q, then K stages, then V stages (16-bit elements); the cross-warp merge reuses K/V.
+  static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * kStages * kTileElems);
+  static constexpr int kMergeBytes = kWarps * kRows * (kHeadDim + 2) * 4;
+  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 64 && kHeadDim <= 256, "head_dim 64..256, multiple of 16");
+  static_assert(kThreads % kChunks == 0 && kTileTokens % kRowGroups == 0, "tile copy must divide evenly");
+  static_assert(kMergeBytes <= 2 * 2 * kStages * kTileElems, "merge buffer must fit in the K/V stages");
+};
+
+// Rows are kHeadDim 16-bit elements; chunk c of row r lives at chunk c ^ (r & 7). ldmatrix reads 8 rows at one
+// logical chunk; the XOR spreads them over 8 different 16-byte bank groups, so the reads are conflict-free.
+template <int kHeadDim>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const AttentionParams p) {
+  using Elem = typename Tr::Elem;
+  constexpr int D = Tr::kHeadDim;
+  extern __shared__ __align__(128) uint16_t smem[];
+  uint16_t* sQ = smem;
+  uint16_t* sK = sQ + Tr::kRows * D;
+  uint16_t* sV = sK + Tr::kStages * Tr::kTileElems;
+
+  const PlanView& plan = *p.plan;
+  const KVParams& kv = p.kv;
+  const VariantParams& vp = p.variant;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int kv_head = blockIdx.y;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int row0 = blockIdx.z * Tr::kRows;
+  const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
+  const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
+  const int num_items = plan.num_items;
+
+  for (int item_index = blockIdx.x; item_index < num_items; item_index += gridDim.x) {
+    const WorkItem it = plan.items[item_index];
+    const int b = it.request;
+    const int rows_total = (it.qo_end - it.qo_begin) * group;
+    if (row0 >= rows_total) continue;
+    const int rows = min(Tr::kRows, rows_total - row0);
+    const int qo_start = plan.qo_indptr[b];
+    const int qo_len = plan.qo_indptr[b + 1] - qo_start;
+    const int kv_len = plan.kv_len[b];
+
+    // Q rows -> shared (zeros past `rows`).
+    for (int i = tid; i < Tr::kRows * Tr::kChunks; i += Tr::kThreads) {
+      const int r = i / Tr::kChunks, c = i % Tr::kChunks;
+      uint4 val = make_uint4(0, 0, 0, 0);
+      if (r < rows) {
+        const int rr = row0 + r;
+        const int tok = it.qo_begin + rr / group, head = kv_head * group + rr % group;
+        const uint16_t* src = static_cast<const uint16_t*>(p.q) + (qo_start + tok) * p.q_stride_token +
+                              head * p.q_stride_head + c * 8;
+        val = *reinterpret_cast<const uint4*>(src);
+      }
+      *reinterpret_cast<uint4*>(sQ + swizzle<D>(r, c)) = val;
+    }
+
+    // The two rows this thread holds in the mma fragments: lane / 4 and lane / 4 + 8.
+    int r_tok[2], r_head[2], r_pos[2], r_lo[2], r_hi[2];
+    int range_lo = it.kv_end, range_hi = it.kv_begin;
+    for (int h = 0; h < 2; ++h) {
+      const int r = lane / 4 + 8 * h;
+      const int rr = row0 + r;
+      r_tok[h] = it.qo_begin + rr / group;
+      r_head[h] = kv_head * group + rr % group;
+      r_pos[h] = query_position(r_tok[h], qo_len, kv_len);
+      allowed_kv_range(vp, r_pos[h], kv_len, &r_lo[h], &r_hi[h]);
+      r_lo[h] = max(r_lo[h], it.kv_begin);
+      r_hi[h] = max(r_lo[h], min(r_hi[h], it.kv_end));
+      if (r >= rows) r_hi[h] = r_lo[h];
+      if (r_lo[h] < r_hi[h]) range_lo = min(range_lo, r_lo[h]), range_hi = max(range_hi, r_hi[h]);
+    }
+    // Every lane holds two of the 16 rows and lanes 0..31 cover all of them: a warp reduction gives the union.
+    for (int o = 16; o > 0; o >>= 1) {
+      range_lo = min(range_lo, __shfl_xor_sync(0xffffffffu, range_lo, o));
+      range_hi = max(range_hi, __shfl_xor_sync(0xffffffffu, range_hi, o));
+    }
+    const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + Tr::kTileTokens - 1) / Tr::kTileTokens : 0;
+
+    // Copies tile `t` of K and V into stage `s` (rows past range_hi are zero-filled).
+    auto load_tile = [&](int t, int s) {
+      const int c = tid % Tr::kChunks;
+      for (int k = 0; k < Tr::kLoadRows; ++k) {
+        const int r = tid / Tr::kChunks + k * Tr::kRowGroups;
+        const int token = range_lo + t * Tr::kTileTokens + r;
+        const bool valid = token < range_hi;
+        const uint16_t* ksrc = static_cast<const uint16_t*>(kv.k);
+        const uint16_t* vsrc = static_cast<const uint16_t*>(kv.v);
+        if (valid) {
+          ksrc += kv_k_offset(kv, b, token, kv_head) + c * 8;
+          vsrc += kv_v_offset(kv, b, token, kv_head) + c * 8;
+        }
+        cp_async_16(sK + s * Tr::kTileElems + swizzle<D>(r, c), ksrc, valid ? 16 : 0);
+        cp_async_16(sV + s * Tr::kTileElems + swizzle<D>(r, c), vsrc, valid ? 16 : 0);
+      }
+    };
+
+    float o_acc[D / 8][4];
+    for (int n = 0; n < D / 8; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+    for (int s = 0; s < Tr::kStages - 1; ++s) {
+      if (s < num_tiles) load_tile(s, s);
+      cp_async_commit();
+    }
+    for (int t = 0; t < num_tiles; ++t) {
+      cp_async_wait<Tr::kStages - 2>();
+      __syncthreads();  // tile t has landed for every thread, and every warp is done with tile t - 1
+      if (t + Tr::kStages - 1 < num_tiles) load_tile(t + Tr::kStages - 1, (t + Tr::kStages - 1) % Tr::kStages);
+      cp_async_commit();
+
+      const uint16_t* k_tile = sK + (t % Tr::kStages) * Tr::kTileElems;
+      const uint16_t* v_tile = sV + (t % Tr::kStages) * Tr::kTileElems;
+      const int tok0 = warp * 16;  // this warp's 16 tokens of the tile
+
+      // S = Q K^T for 16 rows x 16 tokens.
+      float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4], bk[4];
+        ldmatrix_x4(a, sQ + swizzle<D>(lane % 16, 2 * kk + lane / 16));
+        ldmatrix_x4(bk, k_tile + swizzle<D>(tok0 + (lane % 8) + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
+        mma_16816(s_acc[0], a, bk[0], bk[1], Elem{});
+        mma_16816(s_acc[1], a, bk[2], bk[3], Elem{});
+      }
+
+      // Scale, transform and mask; then the online softmax update per row (two rows per thread).
+      const int tile_start = range_lo + t * Tr::kTileTokens + tok0;
+      float tile_max[2] = {-INFINITY, -INFINITY};
+      for (int nt = 0; nt < 2; ++nt)
+        for (int e = 0; e < 4; ++e) {
+          const int h = e / 2;
+          const int j = tile_start + nt * 8 + 2 * (lane % 4) + (e % 2);
+          float x = s_acc[nt][e];
+          bool allowed = j >= r_lo[h] && j < r_hi[h];
+          if (allowed && transform) x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, r_head[h], r_pos[h], j) * kLog2e;
+          else x *= scale_log2;
+          if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, r_tok[h], j, kv_len);
+          x = allowed ? x : -INFINITY;
+          s_acc[nt][e] = x;
+          tile_max[h] = fmaxf(tile_max[h], x);
+        }
+      float corr[2];
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(m_run[h], warp_max_quad(tile_max[h]));
+        corr[h] = m_new == -INFINITY ? 1.f : exp2f(m_run[h] - m_new);
+        m_run[h] = m_new;
+        l_run[h] *= corr[h];
+      }
+      for (int nt = 0; nt < 2; ++nt)
+        for (int e = 0; e < 4; ++e) {
+          const int h = e / 2;
+          const float pr = m_run[h] == -INFINITY ? 0.f : exp2f(s_acc[nt][e] - m_run[h]);
+          s_acc[nt][e] = pr;
+          l_run[h] += pr;
+        }
+      for (int n = 0; n < D / 8; ++n) {
+        o_acc[n][0] *= corr[0], o_acc[n][1] *= corr[0];
+        o_acc[n][2] *= corr[1], o_acc[n][3] *= corr[1];
+      }
+
+      // O += P V: the S accumulator layout of two n8 tiles is exactly the A layout of one k16 step.
+      uint32_t a_p[4];
+      a_p[0] = pack2(s_acc[0][0], s_acc[0][1], Elem{});
+      a_p[1] = pack2(s_acc[0][2], s_acc[0][3], Elem{});
+      a_p[2] = pack2(s_acc[1][0], s_acc[1][1], Elem{});
+      a_p[3] = pack2(s_acc[1][2], s_acc[1][3], Elem{});
+      for (int nd = 0; nd < D / 16; ++nd) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, v_tile + swizzle<D>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * nd + lane / 16));
+        mma_16816(o_acc[2 * nd], a_p, bv[0], bv[1], Elem{});
+        mma_16816(o_acc[2 * nd + 1], a_p, bv[2], bv[3], Elem{});
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // all warps are done with the stages: reuse them for the merge
+
+    // Merge the four warps' states. Row sums are per-thread partials until here.
+    float* s_m = reinterpret_cast<float*>(sK);  // [warps][16]
+    float* s_l = s_m + Tr::kWarps * Tr::kRows;  // [warps][16]
+    float* s_o = s_l + Tr::kWarps * Tr::kRows;  // [warps][16][D]
+    for (int h = 0; h < 2; ++h) {
+      l_run[h] = warp_sum_quad(l_run[h]);
+      if (lane % 4 == 0) {
+        s_m[warp * Tr::kRows + lane / 4 + 8 * h] = m_run[h];
+        s_l[warp * Tr::kRows + lane / 4 + 8 * h] = l_run[h];
+      }
+    }
+    __syncthreads();
+    for (int h = 0; h < 2; ++h) {
+      const int r = lane / 4 + 8 * h;
+      float m_all = -INFINITY;
+      for (int w = 0; w < Tr::kWarps; ++w) m_all = fmaxf(m_all, s_m[w * Tr::kRows + r]);
+      const float f = m_run[h] == -INFINITY ? 0.f : exp2f(m_run[h] - m_all);
+      for (int n = 0; n < D / 8; ++n) {
+        const int col = n * 8 + 2 * (lane % 4);
+        s_o[(warp * Tr::kRows + r) * D + col] = o_acc[n][2 * h] * f;
+        s_o[(warp * Tr::kRows + r) * D + col + 1] = o_acc[n][2 * h + 1] * f;
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < Tr::kRows * D; i += Tr::kThreads) {
+      const int r = i / D, d = i % D;
+      if (r >= rows) continue;
+      float m_all = -INFINITY;
+      for (int w = 0; w < Tr::kWarps; ++w) m_all = fmaxf(m_all, s_m[w * Tr::kRows + r]);
+      float l_all = 0.f, o = 0.f;
+      for (int w = 0; w < Tr::kWarps; ++w) {
+        const float m_w = s_m[w * Tr::kRows + r];
+        if (m_w != -INFINITY) l_all += s_l[w * Tr::kRows + r] * exp2f(m_w - m_all);
+        o += s_o[(w * Tr::kRows + r) * D + d];
+      }
+      float lse = l_all > 0.f ? m_all + log2f(l_all) : -INFINITY;
+      o = l_all > 0.f ? o * kv.v_scale / l_all : 0.f;
+      const int rr = row0 + r;
+      const int tok = it.qo_begin + rr / group, head = kv_head * group + rr % group;
+      if (it.partial_row < 0) {
+        if (vp.sinks) {
+          const float sink = vp.sinks[head] * kLog2e;
+          const float mx = fmaxf(lse, sink);
+          const float total = mx + log2f(exp2f(lse - mx) + exp2f(sink - mx));
+          o *= exp2f(lse - total);
+          lse = total;
+        }
+        store_element(p.o, p.o_dtype, (qo_start + tok) * p.o_stride_token + head * p.o_stride_head + d, o);
+        if (p.lse && d == 0) p.lse[(qo_start + tok) * p.lse_stride_token + head] = lse;
+      } else {
+        const int64_t prow = static_cast<int64_t>(it.partial_row) + (tok - it.qo_begin);
+        plan.partial_o[(prow * p.num_qo_heads + head) * D + d] = o;
+        if (d == 0) plan.partial_lse[prow * p.num_qo_heads + head] = lse;
+      }
+    }
+    __syncthreads();  // shared memory is reused by the next item
+  }
+}
+
+// Combines the partial states of each merge item: one CTA per (merge, query head), one thread per dimension.
+__global__ void merge_kernel(const AttentionParams p) {
+  const PlanView& plan = *p.plan;
+  const int h = blockIdx.y;
+  const int dvo = p.head_dim_vo;
+  for (int mi_index = blockIdx.x; mi_index < plan.num_merges; mi_index += gridDim.x) {
+    const MergeItem mi = plan.merges[mi_index];
+    const int qo_start = plan.qo_indptr[mi.request];
+    for (int tok = mi.qo_begin; tok < mi.qo_end; ++tok) {
+      float m = -INFINITY;
+      for (int k = 0; k < mi.num_items; ++k) {
+        const int64_t row = static_cast<int64_t>(plan.items[mi.first_item + k].partial_row) + (tok - mi.qo_begin);
+        m = fmaxf(m, plan.partial_lse[row * p.num_qo_heads + h]);
+      }
+      for (int d = threadIdx.x; d < dvo; d += blockDim.x) {
+        float l = 0.f, o = 0.f;
+        if (m != -INFINITY)
+          for (int k = 0; k < mi.num_items; ++k) {
+            const int64_t row = static_cast<int64_t>(plan.items[mi.first_item + k].partial_row) + (tok - mi.qo_begin);
+            const float lse_k = plan.partial_lse[row * p.num_qo_heads + h];
+            if (lse_k == -INFINITY) continue;
+            const float w = exp2f(lse_k - m);
+            l += w;
+            o += w * plan.partial_o[(row * p.num_qo_heads + h) * dvo + d];
+          }
+        float lse = l > 0.f ? m + log2f(l) : -INFINITY;
+        o = l > 0.f ? o / l : 0.f;
+        if (p.variant.sinks) {
+          const float sink = p.variant.sinks[h] * kLog2e;
+          const float mx = fmaxf(lse, sink);
+          const float total = mx + log2f(exp2f(lse - mx) + exp2f(sink - mx));
+          o *= exp2f(lse - total);
+          lse = total;
+        }
+        store_element(p.o, p.o_dtype, (qo_start + tok) * p.o_stride_token + h * p.o_stride_head + d, o);
+        if (p.lse && d == 0) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
+      }
+    }
+  }
+}
+
+}  // namespace attnforge::cuda

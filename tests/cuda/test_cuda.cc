@@ -1,0 +1,247 @@
+// The CUDA backend against the float64 reference, on the same adversarial cases as the CPU backend. Needs a
+// GPU: built with CUDA but not registered with ctest; scripts/device-check runs it.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <ostream>
+#include <random>
+#include <string>
+
+#include "testing/compare.h"
+#include "testing/device_case.h"
+#include "testing/registry.h"
+
+namespace attnforge::testing {
+void PrintTo(const CaseSpec& spec, std::ostream* os) { *os << spec.describe(); }
+}  // namespace attnforge::testing
+
+using namespace attnforge;
+using namespace attnforge::testing;
+
+namespace {
+
+AttentionConfig cuda_config(const CaseSpec& s) {
+  AttentionConfig c;
+  c.device = Device::cuda(0);
+  c.kind = s.kind;
+  c.kv_format = s.format;
+  c.kv_layout = s.layout;
+  c.shape = {s.num_qo_heads, s.num_kv_heads, s.head_dim_qk, s.head_dim_vo, s.q_dtype, s.kv_dtype, s.o_dtype};
+  c.page_size = s.page_size;
+  c.custom_mask = s.options.custom_mask;
+  c.rope = s.options.rope;
+  return c;
+}
+
+// Rows to check against the reference: all, or a fixed sample for large batches (the reference is float64).
+std::vector<int64_t> sample_rows(const Case& c, int64_t max_rows) {
+  const int64_t total = c.total_qo();
+  if (total <= max_rows) return {};
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < max_rows; ++i) rows.push_back(i * total / max_rows);
+  rows.push_back(total - 1);
+  return rows;
+}
+
+std::string run_and_check(const CaseSpec& spec, int64_t max_rows = 1 << 30) {
+  Case c = make_case(spec);
+  DeviceCase dev(c);
+  const AttentionPlan plan = plan_and_run_cuda(c, dev);
+  const Verdict v = check_case(c, sample_rows(c, max_rows));
+  return v.ok ? "" : v.message + "\n  case: " + spec.describe() + "\n  plan: " + plan.describe();
+}
+
+std::vector<CaseSpec> supported(const std::vector<CaseSpec>& all, std::map<std::string, int>* excluded) {
+  std::vector<CaseSpec> out;
+  for (const CaseSpec& s : all) {
+    const Support sup = supports(cuda_config(s));
+    if (sup.ok)
+      out.push_back(s);
+    else if (excluded)
+      ++(*excluded)[sup.reason];
+  }
+  return out;
+}
+
+class CudaRegistry : public ::testing::TestWithParam<CaseSpec> {};
+TEST_P(CudaRegistry, MatchesFloat64Reference) {
+  const std::string error = run_and_check(GetParam());
+  EXPECT_TRUE(error.empty()) << error;
+}
+INSTANTIATE_TEST_SUITE_P(Cases, CudaRegistry, ::testing::ValuesIn(supported(registry_cases(), nullptr)),
+                         [](const ::testing::TestParamInfo<CaseSpec>& info) { return "case" + std::to_string(info.index); });
+
+// States which registry cases the CUDA backend does not run yet, and why (they run on the CPU backend).
+TEST(CudaCoverage, ListsExcludedCases) {
+  std::map<std::string, int> excluded;
+  const auto cases = registry_cases();
+  const size_t n = supported(cases, &excluded).size();
+  std::printf("CUDA runs %zu of %zu registry cases; excluded:\n", n, cases.size());
+  for (const auto& [reason, count] : excluded) std::printf("  %3d  %s\n", count, reason.c_str());
+  EXPECT_GT(n, cases.size() / 3);
+}
+
+// Serving-sized batches; rows sampled for the float64 reference.
+TEST(CudaLarge, ServingShapes) {
+  auto base = [](int32_t batch, int32_t kv, int32_t page) {
+    CaseSpec s;
+    s.kind = PlanKind::kDecode;
+    s.num_qo_heads = 32, s.num_kv_heads = 8, s.head_dim_qk = 128, s.page_size = page;
+    s.qo_lens.assign(batch, 1);
+    s.kv_lens.assign(batch, kv);
+    s.spare_pages = 17;
+    return s;
+  };
+  std::vector<CaseSpec> specs = {base(1, 32768, 16), base(16, 4096, 16), base(8, 3001, 1), base(4, 5000, 64)};
+  CaseSpec zipf = base(16, 0, 16);
+  std::mt19937 rng(7);
+  for (int32_t& l : zipf.kv_lens) l = 16 + static_cast<int32_t>(30000.0 / (1 + rng() % 64));
+  specs.push_back(zipf);
+  CaseSpec spec4 = base(32, 2048, 16);
+  spec4.qo_lens.assign(32, 4);
+  spec4.options.causal = true;
+  specs.push_back(spec4);
+  CaseSpec hnd = base(8, 4000, 16);
+  hnd.layout = KVLayout::kHND;
+  hnd.format = KVFormat::kBlockTable;
+  specs.push_back(hnd);
+  uint64_t seed = 77;
+  for (CaseSpec& s : specs) {
+    s.seed = seed++;
+    const std::string error = run_and_check(s, 24);
+    EXPECT_TRUE(error.empty()) << error;
+  }
+}
+
+// Random batches restricted to what the CUDA backend runs; a failure prints the reproducing command.
+TEST(CudaFuzz, RandomBatches) {
+  const uint64_t first = std::getenv("ATTNFORGE_FUZZ_SEED") ? std::strtoull(std::getenv("ATTNFORGE_FUZZ_SEED"), nullptr, 10) : 1;
+  const uint64_t iters = std::getenv("ATTNFORGE_FUZZ_ITERS") ? std::strtoull(std::getenv("ATTNFORGE_FUZZ_ITERS"), nullptr, 10) : 300;
+  int ran = 0;
+  for (uint64_t seed = first; seed < first + iters; ++seed) {
+    CaseSpec s = random_spec(seed);
+    // Fold the draw onto the CUDA decode subset: decode, 16-bit Q = K/V, head dims 64/128/256, no RoPE.
+    std::mt19937 rng(seed);
+    s.kind = PlanKind::kDecode;
+    for (int32_t& q : s.qo_lens) q = std::min(q, 8);
+    if (s.options.causal)
+      for (size_t i = 0; i < s.qo_lens.size(); ++i) s.kv_lens[i] = std::max(s.kv_lens[i], s.qo_lens[i]);
+    if (s.q_dtype == DType::kFloat32) s.q_dtype = DType::kBFloat16;
+    s.kv_dtype = s.q_dtype;
+    if (s.o_dtype != DType::kFloat32) s.o_dtype = s.q_dtype;
+    s.head_dim_qk = std::vector<int32_t>{64, 128, 256}[rng() % 3];
+    s.head_dim_vo = 0;
+    s.k_scale = s.v_scale = 1.f;
+    s.options.rope = false;
+    if (!supports(cuda_config(s)).ok) continue;
+    ++ran;
+    std::string error;
+    try {
+      error = run_and_check(s);
+    } catch (const std::exception& e) {
+      error = std::string("threw: ") + e.what() + "\n  case: " + s.describe();
+    }
+    if (!error.empty()) {
+      ADD_FAILURE() << error << "\n  reproduce: ATTNFORGE_FUZZ_SEED=" << seed
+                    << " ATTNFORGE_FUZZ_ITERS=1 attnforge_cuda_tests --gtest_filter=CudaFuzz.*";
+      return;
+    }
+  }
+  EXPECT_GT(ran, static_cast<int>(iters / 2));
+}
+
+// Deterministic mode: a request's output is bit-identical alone and inside a larger batch.
+TEST(CudaDeterminism, SameBitsWhateverTheBatch) {
+  CaseSpec alone;
+  alone.kind = PlanKind::kDecode;
+  alone.num_qo_heads = 32, alone.num_kv_heads = 8, alone.head_dim_qk = 128;
+  alone.qo_lens = {1};
+  alone.kv_lens = {9000};
+  alone.plan.deterministic = true;
+  alone.plan.fixed_split_size = 1024;
+  alone.seed = 5;
+  CaseSpec batch = alone;
+  batch.qo_lens = {1, 1, 1};
+  batch.kv_lens = {9000, 300, 20000};
+  Case a = make_case(alone), b = make_case(batch);
+  DeviceCase da(a), db(b);
+  plan_and_run_cuda(a, da);
+  plan_and_run_cuda(b, db);
+  const size_t row_bytes = static_cast<size_t>(32) * 128 * 2;
+  ASSERT_EQ(0, std::memcmp(a.out_view.data, b.out_view.data, row_bytes)) << "request 0 differs alone vs in a batch";
+}
+
+// A graph captured once replays correctly after a re-plan for longer sequences of the same batch size.
+TEST(CudaGraph, CaptureReplanReplay) {
+  CaseSpec s;
+  s.kind = PlanKind::kDecode;
+  s.format = KVFormat::kBlockTable;
+  s.num_qo_heads = 32, s.num_kv_heads = 8, s.head_dim_qk = 128;
+  s.qo_lens.assign(6, 1);
+  s.kv_lens = {3000, 17, 800, 4096, 1, 2500};
+  s.options.sinks = true;
+  s.seed = 11;
+  Case full = make_case(s);  // the long lengths; the short batch is a prefix of every request
+  const std::vector<int32_t> long_lens = s.kv_lens, short_lens = {100, 5, 700, 33, 1, 1200};
+  DeviceCase dev(full);
+  int32_t* seq = static_cast<int32_t*>(full.seq_lens.data());
+
+  auto plan_for = [&](const std::vector<int32_t>& lens) {
+    std::copy(lens.begin(), lens.end(), seq);
+    dev.upload(full.seq_lens);
+    BatchPlanArgs args = full.plan_args();
+    args.device = Device::cuda(0);
+    return plan_batch_decode(args);
+  };
+  AttentionPlan plan = plan_for(short_lens);
+  void* ws = nullptr;
+  void* staging = nullptr;
+  const size_t ws_bytes = plan.workspace_bytes;
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&ws, ws_bytes));
+  ASSERT_EQ(cudaSuccess, cudaMallocHost(&staging, plan.staging_bytes));
+  cudaStream_t stream;
+  ASSERT_EQ(cudaSuccess, cudaStreamCreate(&stream));
+  const Workspace w{ws, ws_bytes};
+  upload_plan(plan, w, staging, plan.staging_bytes, stream);
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaSuccess, cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  run(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, w, stream);
+  ASSERT_EQ(cudaSuccess, cudaStreamEndCapture(stream, &graph));
+  ASSERT_EQ(cudaSuccess, cudaGraphInstantiate(&exec, graph, 0));
+
+  auto replay_and_check = [&](const std::vector<int32_t>& lens, const char* what) {
+    full.poison_outputs();
+    dev.upload_outputs(full);
+    ASSERT_EQ(cudaSuccess, cudaGraphLaunch(exec, stream));
+    ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(stream));
+    dev.download_outputs(full);
+    Case view = full;  // the reference reads the logical prefix of each request
+    view.spec.kv_lens = lens;
+    for (size_t b = 0; b < lens.size(); ++b) {
+      view.k_vals[b].resize(static_cast<size_t>(lens[b]) * 8 * 128);
+      view.v_vals[b].resize(static_cast<size_t>(lens[b]) * 8 * 128);
+    }
+    const Verdict v = check_case(view);
+    EXPECT_TRUE(v.ok) << what << ": " << v.message;
+  };
+  replay_and_check(short_lens, "first replay");
+
+  AttentionPlan longer = plan_for(long_lens);
+  ASSERT_LE(longer.workspace_bytes, ws_bytes) << "a re-plan of the same batch size must fit the captured workspace";
+  ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(stream));  // the staging buffer is free again
+  upload_plan(longer, w, staging, longer.staging_bytes, stream);
+  replay_and_check(long_lens, "replay after re-plan");
+
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  cudaFree(ws);
+  cudaFreeHost(staging);
+}
+
+}  // namespace

@@ -1,0 +1,398 @@
+// The planner on the CPU: its heuristics on chosen inputs (expected numbers derived in the comments), the plan's
+// invariants on random batches, deterministic mode (a request is cut the same way whatever else is in the
+// batch, and its results are bit-identical) and the split of one long request.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "planner/heuristics.h"
+#include "testing/cases.h"
+
+namespace attnforge {
+namespace {
+
+using planner::choose_kv_chunk;
+using planner::choose_qo_tile;
+using planner::SplitInput;
+
+// ---- heuristics ----
+
+TEST(PlannerHeuristics, QoTile) {
+  // Rows per item = tokens x group; the CPU aims at 128 rows.
+  EXPECT_EQ(choose_qo_tile(4, 1000, 128), 32);  // 128 / 4 = 32 tokens, below the longest request
+  EXPECT_EQ(choose_qo_tile(3, 1000, 128), 42);  // 128 / 3 = 42 (rounded down: never more than 128 rows)
+  EXPECT_EQ(choose_qo_tile(1, 5, 128), 5);      // 128 tokens wanted, but no request is longer than 5
+  EXPECT_EQ(choose_qo_tile(8, 16, 128), 16);    // 128 / 8 = 16 = the longest request
+  EXPECT_EQ(choose_qo_tile(256, 100, 128), 1);  // a group larger than the target: one token per item
+  EXPECT_EQ(choose_qo_tile(0, 50, 128), 50);    // group 0 is treated as 1: 128 tokens, capped at 50
+  EXPECT_EQ(choose_qo_tile(4, 0, 128), 1);      // empty batch: still a positive tile
+}
+
+SplitInput split_input(int64_t tiles, int32_t kv_heads, int64_t total_kv, int64_t max_kv, int32_t workers,
+                       int32_t align = 16) {
+  SplitInput in;  // waves 2, min_chunk 256
+  in.num_tiles = tiles;
+  in.num_kv_heads = kv_heads;
+  in.total_kv = total_kv;
+  in.max_kv = max_kv;
+  in.num_workers = workers;
+  in.align = align;
+  return in;
+}
+
+TEST(PlannerHeuristics, KvChunkNoSplitWhenTilesFillTheWorkers) {
+  // 16 tiles x 2 KV heads = 32 units = waves 2 x 16 workers: nothing to gain.
+  EXPECT_EQ(choose_kv_chunk(split_input(16, 2, 100000, 20000, 16)), 0);
+  // 15 tiles: 30 units < 32, so it splits; 32 / 2 = 16 items per head, ceil(100000 / 16) = 6250 -> 6256
+  // (a multiple of 16).
+  EXPECT_EQ(choose_kv_chunk(split_input(15, 2, 100000, 20000, 16)), 6256);
+}
+
+TEST(PlannerHeuristics, KvChunkNoSplitWithoutKv) { EXPECT_EQ(choose_kv_chunk(split_input(1, 1, 0, 0, 16)), 0); }
+
+TEST(PlannerHeuristics, KvChunkLongDecode) {
+  // One 32768-token request, 8 KV heads, 16 workers: 8 units < 32 wanted; 32 / 8 = 4 items per head;
+  // 32768 / 4 = 8192, a multiple of 16.
+  EXPECT_EQ(choose_kv_chunk(split_input(1, 8, 32768, 32768, 16)), 8192);
+}
+
+TEST(PlannerHeuristics, KvChunkAtLeastMinChunk) {
+  // 1000 tokens over 32 items would be 32-token chunks; min_chunk raises them to 256.
+  EXPECT_EQ(choose_kv_chunk(split_input(1, 1, 1000, 1000, 16)), 256);
+  // 200 tokens: a 256-token chunk would not cut anything.
+  EXPECT_EQ(choose_kv_chunk(split_input(1, 1, 200, 200, 16)), 0);
+}
+
+TEST(PlannerHeuristics, KvChunkAligned) {
+  // 10000 tokens, 32 items per head: ceil(10000 / 32) = 313, rounded up to a multiple of 48 (the page size):
+  // 7 x 48 = 336.
+  EXPECT_EQ(choose_kv_chunk(split_input(1, 1, 10000, 10000, 16, 48)), 336);
+  // 3 KV heads: ceil(32 / 3) = 11 items per head; ceil(11000 / 11) = 1000 -> 1008 (multiple of 16).
+  EXPECT_EQ(choose_kv_chunk(split_input(1, 3, 11000, 11000, 16)), 1008);
+}
+
+// ---- plan invariants ----
+
+// Host metadata of a batch in any KV format, owning the arrays its BatchPlanArgs views.
+struct Batch {
+  KVFormat format = KVFormat::kPagedCSR;
+  int32_t page_size = 16;
+  std::vector<int32_t> qo_lens, kv_lens;
+  std::vector<int32_t> qo_indptr, kv_indptr, last_page_len, seq_lens;
+
+  Batch(KVFormat f, int32_t ps, std::vector<int32_t> qo, std::vector<int32_t> kv)
+      : format(f), page_size(f == KVFormat::kRagged ? 1 : ps), qo_lens(std::move(qo)), kv_lens(std::move(kv)) {
+    const size_t n = qo_lens.size();
+    qo_indptr.assign(n + 1, 0);
+    kv_indptr.assign(n + 1, 0);
+    for (size_t b = 0; b < n; ++b) {
+      const int32_t pages = (kv_lens[b] + page_size - 1) / page_size;
+      qo_indptr[b + 1] = qo_indptr[b] + qo_lens[b];
+      kv_indptr[b + 1] = kv_indptr[b] + (format == KVFormat::kRagged ? kv_lens[b] : pages);
+      last_page_len.push_back(pages == 0 ? 0 : kv_lens[b] - (pages - 1) * page_size);
+    }
+    seq_lens = kv_lens;
+  }
+  int64_t size() const { return static_cast<int64_t>(qo_lens.size()); }
+  BatchPlanArgs args(const AttentionShape& shape, const PlanOptions& options) {
+    BatchPlanArgs a;
+    a.shape = shape;
+    a.options = options;
+    a.qo_indptr = TensorView(qo_indptr.data(), DType::kInt32, {size() + 1});
+    a.kv_format = format;
+    a.page_size = page_size;
+    a.kv_indptr = TensorView(kv_indptr.data(), DType::kInt32, {size() + 1});
+    a.last_page_len = TensorView(last_page_len.data(), DType::kInt32, {size()});
+    a.seq_lens = TensorView(seq_lens.data(), DType::kInt32, {size()});
+    return a;
+  }
+  std::string describe() const {
+    return fmt::format("{} page {} qo [{}] kv [{}]", to_string(format), page_size, fmt::join(qo_lens, ","),
+                       fmt::join(kv_lens, ","));
+  }
+};
+
+size_t round256(size_t n) { return (n + 255) / 256 * 256; }
+
+// The first invariant the plan breaks, or "" when it keeps them all.
+std::string plan_violation(const AttentionPlan& p, const Batch& b, bool causal) {
+  const int64_t B = b.size();
+  if (p.batch_size != B) return fmt::format("batch_size {} for {} requests", p.batch_size, B);
+  if (p.qo_indptr != b.qo_indptr) return "qo_indptr differs from the batch's";
+  if (p.kv_len != b.kv_lens) return "kv_len differs from the batch's";
+  if (p.total_qo != b.qo_indptr.back()) return fmt::format("total_qo {}", p.total_qo);
+  const int64_t num_items = static_cast<int64_t>(p.items.size());
+
+  // A tile is an unsplit item or a merge with its items; every split item must belong to exactly one merge,
+  // and a merge's items must be consecutive and cover the merge's rows.
+  std::vector<int32_t> owner(p.items.size(), -1);
+  for (size_t m = 0; m < p.merges.size(); ++m) {
+    const MergeItem& mi = p.merges[m];
+    if (mi.num_items < 2 || mi.first_item < 0 || mi.first_item + mi.num_items > num_items)
+      return fmt::format("merge {}: items [{}, +{}) of {}", m, mi.first_item, mi.num_items, num_items);
+    for (int32_t k = mi.first_item; k < mi.first_item + mi.num_items; ++k) {
+      const WorkItem& it = p.items[k];
+      if (owner[k] != -1) return fmt::format("item {} is in merges {} and {}", k, owner[k], m);
+      if (it.partial_row < 0) return fmt::format("item {} of merge {} writes the final output", k, m);
+      if (it.request != mi.request || it.qo_begin != mi.qo_begin || it.qo_end != mi.qo_end)
+        return fmt::format("item {} covers other rows than merge {}", k, m);
+      owner[k] = static_cast<int32_t>(m);
+    }
+  }
+  struct Tile {
+    int32_t request, qo_begin, qo_end, first, count;
+  };
+  std::vector<Tile> tiles;
+  for (int64_t i = 0; i < num_items; ++i) {
+    const WorkItem& it = p.items[i];
+    if (it.partial_row >= 0 && owner[i] < 0) return fmt::format("item {} has partial state but no merge", i);
+    if (it.partial_row < 0) tiles.push_back({it.request, it.qo_begin, it.qo_end, static_cast<int32_t>(i), 1});
+  }
+  for (const MergeItem& mi : p.merges) tiles.push_back({mi.request, mi.qo_begin, mi.qo_end, mi.first_item, mi.num_items});
+
+  std::vector<std::vector<int32_t>> covered(B);
+  for (int64_t r = 0; r < B; ++r) covered[r].assign(b.qo_lens[r], 0);
+  for (const Tile& t : tiles) {
+    if (t.request < 0 || t.request >= B) return fmt::format("tile of request {}", t.request);
+    const int32_t qo_len = b.qo_lens[t.request], kv_len = b.kv_lens[t.request];
+    if (t.qo_begin < 0 || t.qo_begin >= t.qo_end || t.qo_end > qo_len)
+      return fmt::format("request {}: tile rows [{}, {}) of {}", t.request, t.qo_begin, t.qo_end, qo_len);
+    if (t.qo_end - t.qo_begin > p.qo_tile)
+      return fmt::format("request {}: tile [{}, {}) longer than qo_tile {}", t.request, t.qo_begin, t.qo_end, p.qo_tile);
+    if (p.kind == PlanKind::kDecode && (t.qo_begin != 0 || t.qo_end != qo_len))
+      return fmt::format("decode request {}: tile [{}, {}) is not the whole request", t.request, t.qo_begin, t.qo_end);
+    for (int32_t q = t.qo_begin; q < t.qo_end; ++q) ++covered[t.request][q];
+    // Causal tiles read up to the diagonal of their last row.
+    const int32_t kv_end = causal ? kv_len - qo_len + t.qo_end : kv_len;
+    int32_t next = 0;
+    for (int32_t k = t.first; k < t.first + t.count; ++k) {
+      const WorkItem& it = p.items[k];
+      if (it.kv_begin != next) return fmt::format("item {}: kv_begin {}, expected {} (gap or overlap)", k, it.kv_begin, next);
+      if (t.count > 1 && (it.kv_end <= it.kv_begin || it.kv_end - it.kv_begin > p.kv_chunk))
+        return fmt::format("item {}: piece [{}, {}) with kv_chunk {}", k, it.kv_begin, it.kv_end, p.kv_chunk);
+      next = it.kv_end;
+    }
+    if (next != kv_end)
+      return fmt::format("request {} rows [{}, {}): items end at {}, expected {}", t.request, t.qo_begin, t.qo_end, next, kv_end);
+  }
+  for (int64_t r = 0; r < B; ++r)
+    for (int32_t q = 0; q < b.qo_lens[r]; ++q)
+      if (covered[r][q] != 1) return fmt::format("request {} row {} is covered by {} tiles", r, q, covered[r][q]);
+
+  // Partial rows: disjoint, inside [0, partial_rows), and all of them used (the workspace is exact).
+  std::vector<int32_t> rows(static_cast<size_t>(p.partial_rows), 0);
+  for (int64_t i = 0; i < num_items; ++i) {
+    const WorkItem& it = p.items[i];
+    if (it.partial_row < 0) continue;
+    if (it.partial_row + (it.qo_end - it.qo_begin) > p.partial_rows)
+      return fmt::format("item {}: partial rows from {} beyond partial_rows {}", i, it.partial_row, p.partial_rows);
+    for (int32_t q = 0; q < it.qo_end - it.qo_begin; ++q)
+      if (rows[it.partial_row + q]++ != 0) return fmt::format("partial row {} used twice", it.partial_row + q);
+  }
+  if (std::count(rows.begin(), rows.end(), 0) != 0) return "some partial rows are never used";
+
+  // Workspace: partial o [rows, heads, dim_vo] and lse [rows, heads] in float32, each 256-byte aligned.
+  const size_t heads = static_cast<size_t>(p.shape.num_qo_heads), dvo = static_cast<size_t>(p.shape.head_dim_vo);
+  const size_t r = static_cast<size_t>(p.partial_rows);
+  const size_t expected_ws = r == 0 ? 0 : round256(r * heads * dvo * 4) + round256(r * heads * 4);
+  if (p.workspace_bytes != expected_ws)
+    return fmt::format("workspace_bytes {}, expected {} for {} partial rows", p.workspace_bytes, expected_ws, r);
+  return "";
+}
+
+AttentionPlan make_plan(PlanKind kind, const BatchPlanArgs& a) {
+  return kind == PlanKind::kDecode ? plan_batch_decode(a) : plan_batch_prefill(a);
+}
+
+TEST(PlanInvariants, RandomBatches) {
+  std::mt19937 rng(20240611);
+  auto pick = [&](auto values) { return values[std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng)]; };
+  auto uniform = [&](int32_t lo, int32_t hi) { return std::uniform_int_distribution<int32_t>(lo, hi)(rng); };
+  const std::vector<AttentionShape> shapes = {
+      {8, 8, 64, 64, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16},
+      {32, 8, 128, 128, DType::kFloat16, DType::kFloat8E4M3, DType::kFloat16},
+      {16, 2, 192, 128, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16},
+      {4, 1, 64, 0, DType::kFloat32, DType::kFloat32, DType::kFloat32},
+  };
+  int split_plans = 0, causal_plans = 0;
+  for (int iter = 0; iter < 400; ++iter) {
+    const PlanKind kind = uniform(0, 1) ? PlanKind::kDecode : PlanKind::kPrefill;
+    PlanOptions o;
+    o.causal = uniform(0, 3) == 0;
+    o.num_workers = pick(std::vector<int32_t>{1, 2, 16, 132});
+    o.deterministic = uniform(0, 3) == 0;
+    o.fixed_split_size = pick(std::vector<int32_t>{0, 64, 100, 1000});
+    o.disable_split = uniform(0, 6) == 0;
+    const int32_t batch = uniform(1, 12);
+    std::vector<int32_t> qo(batch), kv(batch);
+    for (int32_t b = 0; b < batch; ++b) {
+      // About one request in five has no queries and one in five (of those with none) no KV either.
+      qo[b] = uniform(0, 4) == 0 ? 0 : kind == PlanKind::kDecode ? uniform(1, 8) : uniform(1, 300);
+      kv[b] = uniform(0, 4) == 0 ? 0 : uniform(1, 5000);
+      if (o.causal) kv[b] += qo[b];
+    }
+    Batch bt(pick(std::vector<KVFormat>{KVFormat::kPagedCSR, KVFormat::kBlockTable, KVFormat::kRagged}),
+             pick(std::vector<int32_t>{1, 3, 16, 64}), qo, kv);
+    const AttentionShape shape = pick(shapes);
+    const AttentionPlan plan = make_plan(kind, bt.args(shape, o));
+    EXPECT_EQ(plan_violation(plan, bt, o.causal), "")
+        << "iteration " << iter << ": " << bt.describe() << "\n" << plan.describe();
+    if (o.disable_split) EXPECT_TRUE(plan.merges.empty()) << "disable_split, yet " << plan.describe();
+    split_plans += !plan.merges.empty();
+    causal_plans += o.causal;
+  }
+  // The random batches must reach split plans and causal plans, or the loop above checked little.
+  EXPECT_GT(split_plans, 50);
+  EXPECT_GT(causal_plans, 50);
+}
+
+TEST(PlanInvariants, ViolationsAreDetected) {
+  // The checker itself: plans broken by hand must be reported.
+  Batch bt(KVFormat::kPagedCSR, 16, {40, 3}, {4000, 100});
+  PlanOptions o;
+  o.deterministic = true;
+  o.fixed_split_size = 512;
+  const AttentionShape shape{8, 2, 64, 64, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16};
+  const AttentionPlan good = plan_batch_prefill(bt.args(shape, o));
+  ASSERT_EQ(plan_violation(good, bt, false), "");
+  ASSERT_FALSE(good.merges.empty());
+  AttentionPlan gap = good;
+  gap.items[good.merges[0].first_item + 1].kv_begin += 1;
+  EXPECT_NE(plan_violation(gap, bt, false), "");
+  AttentionPlan shared_rows = good;
+  shared_rows.items[good.merges[0].first_item + 1].partial_row = good.items[good.merges[0].first_item].partial_row;
+  EXPECT_NE(plan_violation(shared_rows, bt, false), "");
+  AttentionPlan lost_tile = good;
+  lost_tile.items.pop_back();
+  EXPECT_NE(plan_violation(lost_tile, bt, false), "");
+  AttentionPlan big_ws = good;
+  big_ws.workspace_bytes += 256;
+  EXPECT_NE(plan_violation(big_ws, bt, false), "");
+}
+
+// ---- deterministic mode ----
+
+// The items of one request, without partial row numbers (those depend on what comes before in the batch).
+std::vector<std::string> request_items(const AttentionPlan& p, int32_t request) {
+  std::vector<std::string> r;
+  for (const WorkItem& it : p.items)
+    if (it.request == request)
+      r.push_back(fmt::format("rows [{}, {}) kv [{}, {}){}", it.qo_begin, it.qo_end, it.kv_begin, it.kv_end,
+                              it.partial_row >= 0 ? " partial" : ""));
+  return r;
+}
+
+TEST(DeterministicPlan, RequestSplitIgnoresTheRestOfTheBatch) {
+  std::mt19937 rng(7);
+  auto uniform = [&](int32_t lo, int32_t hi) { return std::uniform_int_distribution<int32_t>(lo, hi)(rng); };
+  const AttentionShape shape{16, 4, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16};
+  for (int iter = 0; iter < 40; ++iter) {
+    PlanOptions o;
+    o.deterministic = true;
+    o.fixed_split_size = iter % 2 ? 256 : 0;  // 0: the default 2048
+    o.causal = iter % 4 >= 2;
+    o.num_workers = uniform(1, 132);
+    const int32_t batch = uniform(2, 10);
+    std::vector<int32_t> qo(batch), kv(batch);
+    for (int32_t b = 0; b < batch; ++b) {
+      qo[b] = uniform(0, 100);
+      kv[b] = qo[b] + uniform(0, 6000);
+    }
+    Batch whole(KVFormat::kPagedCSR, 16, qo, kv);
+    const AttentionPlan plan = plan_batch_prefill(whole.args(shape, o));
+    for (int32_t b = 0; b < batch; ++b) {
+      Batch alone(KVFormat::kPagedCSR, 16, {qo[b]}, {kv[b]});
+      o.num_workers = uniform(1, 132);  // also independent of the worker count
+      const AttentionPlan single = plan_batch_prefill(alone.args(shape, o));
+      EXPECT_EQ(request_items(plan, b), request_items(single, 0))
+          << "request " << b << " of " << whole.describe() << " is cut differently when planned alone";
+    }
+  }
+}
+
+// Request 0 of a case planned as a batch of its own, through prefix views of the case's (CSR) metadata.
+AttentionPlan plan_and_run_first_request(testing::Case& c) {
+  const int64_t qo = c.spec.qo_lens[0];
+  BatchPlanArgs a = c.plan_args();
+  a.qo_indptr.shape[0] = 2;
+  a.kv_indptr.shape[0] = 2;
+  a.last_page_len.shape[0] = 1;
+  const AttentionPlan plan = plan_batch_prefill(a);
+  PagedKVCache kv = c.paged;
+  kv.table.indptr.shape[0] = 2;
+  kv.table.last_page_len.shape[0] = 1;
+  TensorView q = c.q_view, out = c.out_view, lse = c.lse_view;
+  q.shape[0] = out.shape[0] = lse.shape[0] = qo;
+  testing::Buffer ws = testing::Buffer::make(DType::kUInt8, plan.workspace_bytes);
+  run(plan, q, kv, {out, lse}, c.options, {ws.data(), plan.workspace_bytes});
+  return plan;
+}
+
+TEST(DeterministicPlan, RequestResultsBitIdenticalAloneAndInABatch) {
+  for (bool causal : {false, true}) {
+    testing::CaseSpec s;
+    s.kind = PlanKind::kPrefill;
+    s.qo_lens = {21, 70, 5};
+    s.kv_lens = {1500, 3000, 700};
+    s.num_qo_heads = 8;
+    s.num_kv_heads = 2;
+    s.options.causal = causal;
+    s.plan.deterministic = true;
+    s.plan.fixed_split_size = 256;
+    s.plan.num_workers = 16;
+    testing::Case c = testing::make_case(s);
+    const AttentionPlan batch_plan = testing::plan_and_run(c);
+    const int64_t qo = s.qo_lens[0];
+    const size_t out_bytes = static_cast<size_t>(qo * s.num_qo_heads * s.head_dim_qk) * dtype_bytes(s.o_dtype);
+    const size_t lse_bytes = static_cast<size_t>(qo * s.num_qo_heads) * sizeof(float);
+    const std::vector<uint8_t> out_batch(c.out_view.ptr<uint8_t>(), c.out_view.ptr<uint8_t>() + out_bytes);
+    const std::vector<uint8_t> lse_batch(c.lse_view.ptr<uint8_t>(), c.lse_view.ptr<uint8_t>() + lse_bytes);
+
+    c.poison_outputs();
+    const AttentionPlan alone_plan = plan_and_run_first_request(c);
+    ASSERT_GT(alone_plan.merges.size(), 0u) << "request 0 should be split: " << alone_plan.describe();
+    ASSERT_EQ(request_items(batch_plan, 0), request_items(alone_plan, 0));
+    EXPECT_EQ(std::memcmp(c.out_view.data, out_batch.data(), out_bytes), 0)
+        << "out of request 0 differs alone vs in the batch; " << s.describe();
+    EXPECT_EQ(std::memcmp(c.lse_view.data, lse_batch.data(), lse_bytes), 0)
+        << "lse of request 0 differs alone vs in the batch; " << s.describe();
+  }
+}
+
+// ---- one long request ----
+
+TEST(PlanSplit, LongDecodeIsSplitWhenWorkersAreIdle) {
+  // 1 x 32768 decode, 2 KV heads, 16 workers: 2 units < 2 waves x 16 = 32; 32 / 2 = 16 items per head;
+  // 32768 / 16 = 2048 tokens per item: 16 items and one merge.
+  Batch bt(KVFormat::kPagedCSR, 16, {1}, {32768});
+  const AttentionShape shape{8, 2, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16};
+  PlanOptions o;
+  o.num_workers = 16;
+  const AttentionPlan plan = plan_batch_decode(bt.args(shape, o));
+  EXPECT_EQ(plan_violation(plan, bt, false), "");
+  EXPECT_EQ(plan.kv_chunk, 2048);
+  EXPECT_EQ(plan.items.size(), 16u);
+  ASSERT_EQ(plan.merges.size(), 1u);
+  EXPECT_EQ(plan.merges[0].num_items, 16);
+  EXPECT_GT(plan.workspace_bytes, 0u);
+  const std::string d = plan.describe();
+  EXPECT_NE(d.find("16 items"), std::string::npos) << d;
+  EXPECT_NE(d.find("1 merges"), std::string::npos) << d;
+
+  // One worker: the two KV heads already give 2 units = 2 waves x 1 worker, so nothing is split.
+  o.num_workers = 1;
+  const AttentionPlan serial = plan_batch_decode(bt.args(shape, o));
+  EXPECT_EQ(serial.items.size(), 1u) << serial.describe();
+  EXPECT_EQ(serial.workspace_bytes, 0u);
+  EXPECT_NE(serial.describe().find("1 items"), std::string::npos) << serial.describe();
+}
+
+}  // namespace
+}  // namespace attnforge
