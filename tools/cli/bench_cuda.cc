@@ -1,0 +1,244 @@
+// `attnforge bench --device cuda:N`: the decode suite on a GPU, timed with CUDA events (warm-up, median of many
+// runs, inputs rotated so that they exceed the L2 cache several times over), reported as TB/s of K/V read next to
+// the device-to-device copy bandwidth measured in the same run. Every case is checked against the float64
+// reference (sampled rows) before it is timed. bench/peers.py reads the JSON and times PyTorch on the same shapes.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attnforge/devices.h"
+#include "bench_common.h"
+#include "commands.h"
+#include "testing/compare.h"
+#include "testing/device_case.h"
+
+namespace attnforge::cli {
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(fmt::format("{}: {}", what, cudaGetErrorString(e)));
+}
+
+// Device memory, pinned host memory, events and graphs released on scope exit.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(size_t bytes) { check(cudaMalloc(&ptr, std::max<size_t>(bytes, 256)), "cudaMalloc"); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+};
+struct PinnedBuffer {
+  void* ptr = nullptr;
+  explicit PinnedBuffer(size_t bytes) { check(cudaMallocHost(&ptr, std::max<size_t>(bytes, 1)), "cudaMallocHost"); }
+  ~PinnedBuffer() { cudaFreeHost(ptr); }
+};
+
+struct GpuBenchCase {
+  std::string name;
+  testing::CaseSpec spec;
+  bool graph = false;  // also time a CUDA graph replay (small, launch-bound cases)
+};
+
+testing::CaseSpec gpu_decode(int32_t batch, int32_t kv_len, int32_t page_size = 16, int32_t qo = 1) {
+  testing::CaseSpec s = decode_spec(std::vector<int32_t>(batch, kv_len));
+  s.page_size = page_size;
+  s.qo_lens.assign(batch, qo);
+  s.options.causal = qo > 1;
+  s.spare_pages = 64;
+  return s;
+}
+
+// The issue-3 targets: bf16, 32 query heads over 8 KV heads, head_dim 128, page size 16 unless named.
+std::vector<GpuBenchCase> gpu_suite(bool quick) {
+  std::vector<GpuBenchCase> v;
+  if (quick) {
+    v.push_back({"decode 16x2048", gpu_decode(16, 2048)});
+    v.push_back({"decode 1x2048", gpu_decode(1, 2048), true});
+    return v;
+  }
+  v.push_back({"decode 64x8192", gpu_decode(64, 8192)});
+  v.push_back({"decode 64x8192 page1", gpu_decode(64, 8192, 1)});
+  v.push_back({"decode 256x4096", gpu_decode(256, 4096)});
+  v.push_back({"decode 1x32768", gpu_decode(1, 32768)});
+  v.push_back({"decode 16x2048", gpu_decode(16, 2048)});
+  v.push_back({"decode 1x2048", gpu_decode(1, 2048), true});
+  v.push_back({"decode 64x4096 uniform", gpu_decode(64, 4096)});
+  testing::CaseSpec zipf = gpu_decode(64, 4096);
+  zipf.kv_lens = zipf_lengths(64, 64 * 4096);
+  v.push_back({"decode 64x4096 zipf", zipf});
+  v.push_back({"decode 128x2048 qo1", gpu_decode(128, 2048)});
+  v.push_back({"decode 128x2048 qo4 causal", gpu_decode(128, 2048, 16, 4)});
+  return v;
+}
+
+struct GpuResult {
+  std::string name;
+  testing::CaseSpec spec;
+  double median_us = 0, graph_us = 0, bytes = 0;
+  int32_t iters = 0;
+  std::string plan;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+// Device-to-device copy of 2 GiB: bytes read plus bytes written over the median time.
+double copy_bandwidth_gbps() {
+  const size_t bytes = size_t{1} << 31;
+  DeviceBuffer a(bytes), b(bytes);
+  check(cudaMemset(a.ptr, 1, bytes), "cudaMemset");
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  std::vector<double> us;
+  for (int i = 0; i < 13; ++i) {
+    cudaEventRecord(e0);
+    check(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync");
+    cudaEventRecord(e1);
+    check(cudaEventSynchronize(e1), "copy");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    if (i >= 3) us.push_back(ms * 1e3);
+  }
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  return 2.0 * bytes / (median(us) * 1e3);
+}
+
+GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, const std::string& progress) {
+  const double kv_bytes = kv_bytes_read(bc.spec);
+  // Enough copies that one pass over them exceeds three L2 caches (60 MB on an H200).
+  const int32_t copies = std::clamp(static_cast<int32_t>(std::ceil(3 * 60e6 / kv_bytes)), 1, 24);
+  fmt::print(stderr, "{} {}: building {} cop{} of {:.0f} MB of K/V\n", progress, bc.name, copies,
+             copies == 1 ? "y" : "ies", kv_bytes / 1e6);
+  std::vector<std::unique_ptr<testing::Case>> hosts;
+  std::vector<std::unique_ptr<testing::DeviceCase>> devs;
+  for (int32_t i = 0; i < copies; ++i) {
+    testing::CaseSpec s = bc.spec;
+    s.seed += i;
+    hosts.push_back(std::make_unique<testing::Case>(testing::make_case(s)));
+    devs.push_back(std::make_unique<testing::DeviceCase>(*hosts.back(), device));
+    if (i > 0) hosts.back()->k_vals.clear(), hosts.back()->v_vals.clear();  // only copy 0 is checked
+  }
+  BatchPlanArgs args = hosts[0]->plan_args();
+  args.device = Device::cuda(device);
+  AttentionPlan plan = plan_batch_decode(args);
+  DeviceBuffer ws(plan.workspace_bytes);
+  PinnedBuffer staging(plan.staging_bytes);
+  const Workspace w{ws.ptr, plan.workspace_bytes};
+  cudaStream_t stream;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  upload_plan(plan, w, staging.ptr, plan.staging_bytes, stream);
+  auto launch = [&](int32_t i) {
+    const testing::DeviceCase& d = *devs[i % copies];
+    run(plan, d.q, d.paged, Outputs{d.out, d.lse}, d.options, w, stream);
+  };
+
+  launch(0);
+  check(cudaStreamSynchronize(stream), "first run");
+  devs[0]->download_outputs(*hosts[0]);
+  const std::vector<int64_t> rows = sampled_rows(hosts[0]->total_qo());
+  const testing::Verdict v = testing::check_case(*hosts[0], rows);
+  if (!v.ok) throw std::runtime_error(fmt::format("{}: wrong result, not timing it: {}", bc.name, v.message));
+
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  auto time_calls = [&](auto&& call) {
+    for (int32_t i = 0; i < std::max(5, copies); ++i) call(i);
+    std::vector<double> us;
+    for (int32_t i = 0; i < iters; ++i) {
+      cudaEventRecord(e0, stream);
+      call(i);
+      cudaEventRecord(e1, stream);
+      check(cudaEventSynchronize(e1), "timed run");
+      float ms = 0;
+      cudaEventElapsedTime(&ms, e0, e1);
+      us.push_back(ms * 1e3);
+    }
+    return median(us);
+  };
+  GpuResult r{bc.name, bc.spec, time_calls(launch), 0, kv_bytes, iters, plan.describe()};
+  if (bc.graph) {
+    std::vector<cudaGraphExec_t> execs(copies);
+    for (int32_t i = 0; i < copies; ++i) {
+      cudaGraph_t g;
+      check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+      launch(i);
+      check(cudaStreamEndCapture(stream, &g), "capture");
+      check(cudaGraphInstantiate(&execs[i], g, 0), "instantiate");
+      cudaGraphDestroy(g);
+    }
+    r.graph_us = time_calls([&](int32_t i) { check(cudaGraphLaunch(execs[i % copies], stream), "graph launch"); });
+    for (auto e : execs) cudaGraphExecDestroy(e);
+  }
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  cudaStreamDestroy(stream);
+  fmt::print(stderr, "{} {}: checked ({} rows); median {:.1f} us{}, {:.2f} TB/s; {}\n", progress, bc.name,
+             rows.empty() ? hosts[0]->total_qo() : static_cast<int64_t>(rows.size()), r.median_us,
+             r.graph_us > 0 ? fmt::format(" ({:.1f} us as a graph)", r.graph_us) : "", kv_bytes / (r.median_us * 1e6),
+             r.plan);
+  return r;
+}
+
+}  // namespace
+
+int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
+  const int id = device.device.id;
+  check(cudaSetDevice(id), "cudaSetDevice");
+  const int32_t iters = options.iters > 0 ? options.iters : (options.quick ? 20 : 100);
+  std::ofstream json;
+  if (!options.json_path.empty()) {
+    json.open(options.json_path);
+    if (!json) throw std::runtime_error(fmt::format("--json {}: cannot open the file for writing", options.json_path));
+  }
+  const std::vector<GpuBenchCase> suite = gpu_suite(options.quick);
+  const size_t steps = suite.size() + 1;
+  fmt::print(stderr, "[1/{}] ceiling: device-to-device copy ...\n", steps);
+  const double copy_gbps = copy_bandwidth_gbps();
+  std::vector<GpuResult> results;
+  for (size_t i = 0; i < suite.size(); ++i)
+    results.push_back(bench_gpu_case(suite[i], id, iters, fmt::format("[{}/{}]", i + 2, steps)));
+
+  const std::string dev = fmt::format("{} {}", to_string(device.device), device.name);
+  fmt::print("attnforge bench, suite decode-gpu: {}\n", build_info());
+  fmt::print("device {}: {}\n", dev, device.description);
+  fmt::print("ceiling device-to-device copy: {:.2f} TB/s (read + write)\n\n", copy_gbps / 1e3);
+  fmt::print("{:<30} {:>11} {:>11} {:>9} {:>10}\n", "case", "median_us", "graph_us", "TB/s", "% of copy");
+  for (const GpuResult& r : results) {
+    const double gbps = r.bytes / (r.median_us * 1e3);
+    fmt::print("{:<30} {:>11.1f} {:>11} {:>9.3f} {:>9.1f}%\n", r.name, r.median_us,
+               r.graph_us > 0 ? fmt::format("{:.1f}", r.graph_us) : "-", gbps / 1e3, gbps / copy_gbps * 100);
+  }
+  if (json.is_open()) {
+    nlohmann::json out = nlohmann::json::array();
+    nlohmann::json c;
+    c["suite"] = "decode", c["case"] = "device-to-device copy", c["system"] = "ceiling", c["device"] = dev;
+    c["gbps"] = copy_gbps, c["commit"] = ATTNFORGE_GIT_COMMIT;
+    out.push_back(c);
+    for (const GpuResult& r : results) {
+      const double gbps = r.bytes / (r.median_us * 1e3);
+      nlohmann::json j;
+      j["suite"] = "decode", j["case"] = r.name, j["system"] = "attnforge", j["device"] = dev;
+      j["median_us"] = r.median_us, j["gbps"] = gbps, j["pct_of_ceiling"] = gbps / copy_gbps * 100;
+      j["ceiling"] = copy_gbps, j["bytes"] = r.bytes, j["iters"] = r.iters, j["commit"] = ATTNFORGE_GIT_COMMIT;
+      if (r.graph_us > 0) j["graph_us"] = r.graph_us;
+      j["detail"] = r.spec.describe() + "; " + r.plan;
+      j["shape"] = {{"kv_lens", r.spec.kv_lens}, {"qo_len", r.spec.qo_lens[0]}, {"causal", r.spec.options.causal},
+                    {"num_qo_heads", r.spec.num_qo_heads}, {"num_kv_heads", r.spec.num_kv_heads},
+                    {"head_dim", r.spec.head_dim_qk}, {"page_size", r.spec.page_size},
+                    {"kv_dtype", to_string(r.spec.kv_dtype)}};
+      out.push_back(j);
+    }
+    json << out.dump(1) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace attnforge::cli
