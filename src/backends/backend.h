@@ -16,6 +16,9 @@ class Backend {
   virtual Support check(const AttentionConfig& config) const = 0;
   // Parallel workers plan() balances over for this shape (CPU threads; SMs x resident CTAs).
   virtual int32_t num_workers(const AttentionShape& shape) const = 0;
+  // Shortest KV piece worth splitting off: below it a split's partial-state write and merge cost more than the
+  // parallelism gains.
+  virtual int32_t min_split_tokens() const { return 256; }
   // Rows (query tokens x heads of a group) a prefill item should hold.
   virtual int32_t target_tile_rows() const = 0;
   // Whether kernels read the plan from the workspace (device memory) rather than from the plan object.

@@ -154,6 +154,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
   in.max_kv = max_kv;
   in.num_workers = workers;
   in.align = std::max(16, plan.page_size);
+  in.min_chunk = backend.min_split_tokens();
   int32_t chunk = 0;
   if (a.options.deterministic) {
     if (a.options.fixed_split_size < 0)

@@ -106,8 +106,11 @@ Reference compute(const Case& c, const std::vector<int64_t>& rows_wanted, bool r
           if (logits[j] == kNegInf) continue;
           const Real p = std::exp(logits[j] - m);
           den += p;
+          // A same-precision computation multiplies V by probabilities held in the 16-bit input type (as
+          // tensor-core kernels do); the denominator keeps the unrounded sum.
+          const Real pv = round_output && s.q_dtype != DType::kFloat32 ? Real(round_to(s.q_dtype, float(p))) : p;
           for (int32_t d = 0; d < dvo; ++d)
-            acc[d] += p * Real(c.v_vals[b][(static_cast<size_t>(j) * Hk + kh) * dvo + d]) * Real(s.v_scale);
+            acc[d] += pv * Real(c.v_vals[b][(static_cast<size_t>(j) * Hk + kh) * dvo + d]) * Real(s.v_scale);
         }
         for (int32_t d = 0; d < dvo; ++d) {
           Real v = acc[d] / den;

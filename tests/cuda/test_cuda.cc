@@ -153,25 +153,48 @@ TEST(CudaFuzz, RandomBatches) {
   EXPECT_GT(ran, static_cast<int>(iters / 2));
 }
 
-// Deterministic mode: a request's output is bit-identical alone and inside a larger batch.
+// Deterministic mode: a request's output is bit-identical alone and inside a larger batch. "Alone" is the
+// batch's first request planned and run as a batch of one over the same memory (the CSR arrays' prefixes).
 TEST(CudaDeterminism, SameBitsWhateverTheBatch) {
-  CaseSpec alone;
-  alone.kind = PlanKind::kDecode;
-  alone.num_qo_heads = 32, alone.num_kv_heads = 8, alone.head_dim_qk = 128;
-  alone.qo_lens = {1};
-  alone.kv_lens = {9000};
-  alone.plan.deterministic = true;
-  alone.plan.fixed_split_size = 1024;
-  alone.seed = 5;
-  CaseSpec batch = alone;
-  batch.qo_lens = {1, 1, 1};
-  batch.kv_lens = {9000, 300, 20000};
-  Case a = make_case(alone), b = make_case(batch);
-  DeviceCase da(a), db(b);
-  plan_and_run_cuda(a, da);
-  plan_and_run_cuda(b, db);
+  CaseSpec s;
+  s.kind = PlanKind::kDecode;
+  s.num_qo_heads = 32, s.num_kv_heads = 8, s.head_dim_qk = 128;
+  s.qo_lens = {1, 1, 1};
+  s.kv_lens = {9000, 300, 20000};
+  s.plan.deterministic = true;
+  s.plan.fixed_split_size = 1024;
+  s.seed = 5;
+  Case c = make_case(s);
+  DeviceCase dev(c);
+  plan_and_run_cuda(c, dev);
   const size_t row_bytes = static_cast<size_t>(32) * 128 * 2;
-  ASSERT_EQ(0, std::memcmp(a.out_view.data, b.out_view.data, row_bytes)) << "request 0 differs alone vs in a batch";
+  const std::vector<uint8_t> in_batch(static_cast<uint8_t*>(c.out_view.data),
+                                      static_cast<uint8_t*>(c.out_view.data) + row_bytes);
+
+  BatchPlanArgs args = c.plan_args();
+  args.device = Device::cuda(0);
+  args.qo_indptr.shape[0] = 2;
+  args.kv_indptr.shape[0] = 2;
+  args.last_page_len.shape[0] = 1;
+  AttentionPlan plan = plan_batch_decode(args);
+  PagedKVCache kv = dev.paged;
+  kv.table.indptr.shape[0] = 2;
+  kv.table.last_page_len.shape[0] = 1;
+  TensorView q = dev.q, out = dev.out, lse = dev.lse;
+  q.shape[0] = out.shape[0] = lse.shape[0] = 1;
+  void* ws = nullptr;
+  void* staging = nullptr;
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&ws, plan.workspace_bytes));
+  ASSERT_EQ(cudaSuccess, cudaMallocHost(&staging, plan.staging_bytes));
+  c.poison_outputs();
+  dev.upload_outputs(c);
+  upload_plan(plan, Workspace{ws, plan.workspace_bytes}, staging, plan.staging_bytes, nullptr);
+  run(plan, q, kv, Outputs{out, lse}, dev.options, Workspace{ws, plan.workspace_bytes}, nullptr);
+  ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+  dev.download_outputs(c);
+  cudaFree(ws);
+  cudaFreeHost(staging);
+  EXPECT_EQ(0, std::memcmp(in_batch.data(), c.out_view.data, row_bytes)) << "request 0 differs alone vs in a batch";
 }
 
 // A graph captured once replays correctly after a re-plan for longer sequences of the same batch size.

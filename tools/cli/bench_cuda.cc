@@ -92,7 +92,10 @@ double median(std::vector<double> v) {
 }
 
 // Device-to-device copy of 2 GiB: bytes read plus bytes written over the median time.
-double copy_bandwidth_gbps() {
+struct CopyCeiling {
+  double gbps, median_us;
+};
+CopyCeiling copy_bandwidth() {
   const size_t bytes = size_t{1} << 31;
   DeviceBuffer a(bytes), b(bytes);
   check(cudaMemset(a.ptr, 1, bytes), "cudaMemset");
@@ -109,7 +112,8 @@ double copy_bandwidth_gbps() {
     if (i >= 3) us.push_back(ms * 1e3);
   }
   cudaEventDestroy(e0), cudaEventDestroy(e1);
-  return 2.0 * bytes / (median(us) * 1e3);
+  const double med = median(us);
+  return {2.0 * bytes / (med * 1e3), med};
 }
 
 GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, const std::string& progress) {
@@ -201,7 +205,8 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
   const std::vector<GpuBenchCase> suite = gpu_suite(options.quick);
   const size_t steps = suite.size() + 1;
   fmt::print(stderr, "[1/{}] ceiling: device-to-device copy ...\n", steps);
-  const double copy_gbps = copy_bandwidth_gbps();
+  const CopyCeiling copy = copy_bandwidth();
+  const double copy_gbps = copy.gbps;
   std::vector<GpuResult> results;
   for (size_t i = 0; i < suite.size(); ++i)
     results.push_back(bench_gpu_case(suite[i], id, iters, fmt::format("[{}/{}]", i + 2, steps)));
@@ -220,7 +225,8 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
     nlohmann::json out = nlohmann::json::array();
     nlohmann::json c;
     c["suite"] = "decode", c["case"] = "device-to-device copy", c["system"] = "ceiling", c["device"] = dev;
-    c["gbps"] = copy_gbps, c["commit"] = ATTNFORGE_GIT_COMMIT;
+    c["gbps"] = copy_gbps, c["median_us"] = copy.median_us, c["pct_of_ceiling"] = 100.0, c["iters"] = 10;
+    c["bytes"] = 2.0 * (size_t{1} << 31), c["commit"] = ATTNFORGE_GIT_COMMIT;
     out.push_back(c);
     for (const GpuResult& r : results) {
       const double gbps = r.bytes / (r.median_us * 1e3);

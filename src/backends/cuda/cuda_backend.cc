@@ -85,6 +85,8 @@ class CudaBackend final : public Backend {
   // One mma M tile: query tokens x group heads of a decode item.
   int32_t target_tile_rows() const override { return 16; }
   bool plan_in_device_memory() const override { return true; }
+  // Two 64-token tiles: one CTA's pipeline still overlaps a load with a compute.
+  int32_t min_split_tokens() const override { return 128; }
 
   void copy_to_device(void* dst, const void* src, size_t bytes, Stream stream) override {
     DeviceGuard guard(device_);

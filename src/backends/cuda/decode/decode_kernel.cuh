@@ -106,21 +106,35 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const AttentionPar
     }
     const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + Tr::kTileTokens - 1) / Tr::kTileTokens : 0;
 
-    // Copies tile `t` of K and V into stage `s` (rows past range_hi are zero-filled).
+    // Page lookups are the only dependent global loads of the K/V stream. The page ids of a tile are loaded
+    // one iteration before its copies are issued, so their latency hides behind the compute of a tile.
+    const int64_t page_list = kv.format == KVFormat::kBlockTable ? static_cast<int64_t>(b) * kv.page_list_stride
+                                                                  : static_cast<int64_t>(kv.page_list_indptr[b]);
+    const int chunk = tid % Tr::kChunks;
+    int64_t pages[Tr::kLoadRows];
+    auto fetch_pages = [&](int t) {
+      for (int k = 0; k < Tr::kLoadRows; ++k) {
+        const int token = range_lo + t * Tr::kTileTokens + tid / Tr::kChunks + k * Tr::kRowGroups;
+        const int clamped = min(token, range_hi - 1);  // rows past the range are zero-filled, never read
+        pages[k] = kv.format == KVFormat::kRagged ? page_list + clamped
+                                                  : static_cast<int64_t>(kv.page_ids[page_list + clamped / kv.page_size]);
+      }
+    };
+    // Copies tile `t` of K and V into stage `s` from the pages fetched for it.
     auto load_tile = [&](int t, int s) {
-      const int c = tid % Tr::kChunks;
       for (int k = 0; k < Tr::kLoadRows; ++k) {
         const int r = tid / Tr::kChunks + k * Tr::kRowGroups;
         const int token = range_lo + t * Tr::kTileTokens + r;
         const bool valid = token < range_hi;
+        const int64_t slot = kv.format == KVFormat::kRagged ? 0 : token % kv.page_size;
         const uint16_t* ksrc = static_cast<const uint16_t*>(kv.k);
         const uint16_t* vsrc = static_cast<const uint16_t*>(kv.v);
         if (valid) {
-          ksrc += kv_k_offset(kv, b, token, kv_head) + c * 8;
-          vsrc += kv_v_offset(kv, b, token, kv_head) + c * 8;
+          ksrc += pages[k] * kv.k_stride_page + slot * kv.k_stride_token + kv_head * kv.k_stride_head + chunk * 8;
+          vsrc += pages[k] * kv.v_stride_page + slot * kv.v_stride_token + kv_head * kv.v_stride_head + chunk * 8;
         }
-        cp_async_16(sK + s * Tr::kTileElems + swizzle<D>(r, c), ksrc, valid ? 16 : 0);
-        cp_async_16(sV + s * Tr::kTileElems + swizzle<D>(r, c), vsrc, valid ? 16 : 0);
+        cp_async_16(sK + s * Tr::kTileElems + swizzle<D>(r, chunk), ksrc, valid ? 16 : 0);
+        cp_async_16(sV + s * Tr::kTileElems + swizzle<D>(r, chunk), vsrc, valid ? 16 : 0);
       }
     };
 
@@ -129,13 +143,21 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const AttentionPar
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
     for (int s = 0; s < Tr::kStages - 1; ++s) {
-      if (s < num_tiles) load_tile(s, s);
+      if (s < num_tiles) {
+        fetch_pages(s);
+        load_tile(s, s);
+      }
       cp_async_commit();
     }
+    if (Tr::kStages - 1 < num_tiles) fetch_pages(Tr::kStages - 1);
     for (int t = 0; t < num_tiles; ++t) {
       cp_async_wait<Tr::kStages - 2>();
       __syncthreads();  // tile t has landed for every thread, and every warp is done with tile t - 1
-      if (t + Tr::kStages - 1 < num_tiles) load_tile(t + Tr::kStages - 1, (t + Tr::kStages - 1) % Tr::kStages);
+      const int next = t + Tr::kStages - 1;
+      if (next < num_tiles) {
+        load_tile(next, next % Tr::kStages);
+        if (next + 1 < num_tiles) fetch_pages(next + 1);
+      }
       cp_async_commit();
 
       const uint16_t* k_tile = sK + (t % Tr::kStages) * Tr::kTileElems;
