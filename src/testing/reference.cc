@@ -61,7 +61,7 @@ Reference compute(const Case& c, const std::vector<int64_t>& rows_wanted, bool r
 
   for (int32_t b = 0; b < c.batch; ++b) {
     const int32_t qo_len = s.qo_lens[b], kv_len = s.kv_lens[b];
-    const int64_t offset = o.rope_offsets ? c.pos_offset[b] : 0;
+    const int64_t offset = o.rope && o.rope_offsets ? c.pos_offset[b] : 0;
     for (int32_t i = 0; i < qo_len; ++i) {
       const int64_t row = c.qo_indptr[b] + i;
       if (!want[row]) continue;

@@ -135,7 +135,7 @@ TEST(CudaFuzz, RandomBatches) {
     s.head_dim_qk = std::vector<int32_t>{64, 128, 256}[rng() % 3];
     s.head_dim_vo = 0;
     s.k_scale = s.v_scale = 1.f;
-    s.options.rope = false;
+    s.options.rope = s.options.rope_offsets = s.options.rope_interleave = s.options.rope_llama31 = false;
     if (!supports(cuda_config(s)).ok) continue;
     ++ran;
     std::string error;

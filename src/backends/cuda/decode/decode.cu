@@ -9,15 +9,26 @@ namespace attnforge::cuda {
 
 namespace {
 
+// Raises the kernel's dynamic shared memory limit once per instantiation (and prefers shared memory over L1,
+// so the CTAs the occupancy calculation counts on fit); returns the CTAs one SM holds.
+template <class Tr>
+int configure() {
+  static const int ctas_per_sm = [] {
+    auto kernel = decode_kernel<Tr>;
+    ATTNFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
+    ATTNFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+    int n = 0;
+    ATTNFORGE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Tr::kThreads, Tr::kSmemBytes));
+    return n;
+  }();
+  return ctas_per_sm;
+}
+
 template <int D, typename Elem>
 void launch_decode(const AttentionParams& p, int grid_items, int row_blocks, cudaStream_t stream) {
   using Tr = DecodeTraits<D, Elem>;
   auto kernel = decode_kernel<Tr>;
-  static const bool configured = [&] {
-    ATTNFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-    return true;
-  }();
-  (void)configured;
+  configure<Tr>();
   const dim3 grid(grid_items, p.num_kv_heads, row_blocks);
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   ATTNFORGE_CUDA_CHECK(cudaGetLastError());
@@ -26,8 +37,13 @@ void launch_decode(const AttentionParams& p, int grid_items, int row_blocks, cud
 }  // namespace
 
 int decode_ctas_per_sm(int head_dim) {
-  // Shared memory per CTA bounds residency: 50 KB (d 64), 100 KB (d 128), 200 KB (d 256) of 227 KB.
-  return head_dim <= 64 ? 4 : head_dim <= 128 ? 2 : 1;
+  // bf16 and fp16 instantiations use the same registers and shared memory.
+  switch (head_dim) {
+    case 64: return configure<DecodeTraits<64, Bf16>>();
+    case 128: return configure<DecodeTraits<128, Bf16>>();
+    case 256: return configure<DecodeTraits<256, Bf16>>();
+    default: return 1;
+  }
 }
 
 void run_decode(const AttentionParams& p, const DecodeLaunch& launch, cudaStream_t stream) {

@@ -20,14 +20,21 @@ struct DecodeTraits {
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kRows = 16;                 // one mma M tile
   static constexpr int kTileTokens = 16 * kWarps;  // 16 tokens per warp per tile
-  static constexpr int kStages = 3;
+  // Two stages: one tile in flight while the other is consumed. Shared memory (68 KB at head_dim 128) then
+  // admits three CTAs per SM, whose twelve warps hide the latency that four warps alone could not (profiled:
+  // two 100 KB CTAs per SM left every scheduler idle 64% of cycles).
+  static constexpr int kStages = 2;
+  static constexpr int kMinBlocksPerSM = kHeadDim <= 128 ? 3 : 1;  // caps registers so three CTAs fit
   static constexpr int kChunks = kHeadDim / 8;     // 16-byte chunks per row
   static constexpr int kRowGroups = kThreads / kChunks;
   static constexpr int kLoadRows = kTileTokens / kRowGroups;  // rows of a tile each thread copies
   static constexpr int kTileElems = kTileTokens * kHeadDim;
   // Shared memory: Q, then K stages, then V stages (16-bit elements); the cross-warp merge reuses K/V.
   static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * kStages * kTileElems);
-  static constexpr int kMergeBytes = kWarps * kRows * (kHeadDim + 2) * 4;
+  // Cross-warp merge buffer: per warp m and l of 16 rows, then 16 rows of kHeadDim + 8 floats (the padding
+  // moves each row 8 banks, so the 8 rows a store instruction writes hit different banks).
+  static constexpr int kMergeStride = kHeadDim + 8;
+  static constexpr int kMergeBytes = kWarps * kRows * (kMergeStride + 2) * 4;
   static_assert(kHeadDim % 16 == 0 && kHeadDim >= 64 && kHeadDim <= 256, "head_dim 64..256, multiple of 16");
   static_assert(kThreads % kChunks == 0 && kTileTokens % kRowGroups == 0, "tile copy must divide evenly");
   static_assert(kMergeBytes <= 2 * 2 * kStages * kTileElems, "merge buffer must fit in the K/V stages");
@@ -41,7 +48,7 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
 }
 
 template <class Tr>
-__global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kernel(const AttentionParams p) {
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim;
   extern __shared__ __align__(128) uint16_t smem[];
@@ -87,6 +94,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const AttentionPar
     // The two rows this thread holds in the mma fragments: lane / 4 and lane / 4 + 8.
     int r_tok[2], r_head[2], r_pos[2], r_lo[2], r_hi[2];
     int range_lo = it.kv_end, range_hi = it.kv_begin;
+    int max_lo = it.kv_begin, min_hi = it.kv_end;  // the KV every valid row allows
     for (int h = 0; h < 2; ++h) {
       const int r = lane / 4 + 8 * h;
       const int rr = row0 + r;
@@ -96,13 +104,20 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const AttentionPar
       allowed_kv_range(vp, r_pos[h], kv_len, &r_lo[h], &r_hi[h]);
       r_lo[h] = max(r_lo[h], it.kv_begin);
       r_hi[h] = max(r_lo[h], min(r_hi[h], it.kv_end));
-      if (r >= rows) r_hi[h] = r_lo[h];
+      if (r >= rows) {
+        r_hi[h] = r_lo[h];
+      } else {
+        max_lo = max(max_lo, r_lo[h]);
+        min_hi = min(min_hi, r_hi[h]);
+      }
       if (r_lo[h] < r_hi[h]) range_lo = min(range_lo, r_lo[h]), range_hi = max(range_hi, r_hi[h]);
     }
     // Every lane holds two of the 16 rows and lanes 0..31 cover all of them: a warp reduction gives the union.
     for (int o = 16; o > 0; o >>= 1) {
       range_lo = min(range_lo, __shfl_xor_sync(0xffffffffu, range_lo, o));
       range_hi = max(range_hi, __shfl_xor_sync(0xffffffffu, range_hi, o));
+      max_lo = max(max_lo, __shfl_xor_sync(0xffffffffu, max_lo, o));
+      min_hi = min(min_hi, __shfl_xor_sync(0xffffffffu, min_hi, o));
     }
     const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + Tr::kTileTokens - 1) / Tr::kTileTokens : 0;
 
@@ -111,13 +126,18 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const AttentionPar
     const int64_t page_list = kv.format == KVFormat::kBlockTable ? static_cast<int64_t>(b) * kv.page_list_stride
                                                                   : static_cast<int64_t>(kv.page_list_indptr[b]);
     const int chunk = tid % Tr::kChunks;
+    // Page sizes are almost always powers of two; shifts then replace two integer divisions per row and tile.
+    const bool page_pow2 = (kv.page_size & (kv.page_size - 1)) == 0;
+    const int page_shift = __ffs(kv.page_size) - 1;
+    auto page_index = [&](int token) { return page_pow2 ? token >> page_shift : token / kv.page_size; };
+    auto page_slot = [&](int token) { return page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size; };
     int64_t pages[Tr::kLoadRows];
     auto fetch_pages = [&](int t) {
       for (int k = 0; k < Tr::kLoadRows; ++k) {
         const int token = range_lo + t * Tr::kTileTokens + tid / Tr::kChunks + k * Tr::kRowGroups;
         const int clamped = min(token, range_hi - 1);  // rows past the range are zero-filled, never read
         pages[k] = kv.format == KVFormat::kRagged ? page_list + clamped
-                                                  : static_cast<int64_t>(kv.page_ids[page_list + clamped / kv.page_size]);
+                                                  : static_cast<int64_t>(kv.page_ids[page_list + page_index(clamped)]);
       }
     };
     // Copies tile `t` of K and V into stage `s` from the pages fetched for it.
@@ -126,7 +146,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const AttentionPar
         const int r = tid / Tr::kChunks + k * Tr::kRowGroups;
         const int token = range_lo + t * Tr::kTileTokens + r;
         const bool valid = token < range_hi;
-        const int64_t slot = kv.format == KVFormat::kRagged ? 0 : token % kv.page_size;
+        const int64_t slot = kv.format == KVFormat::kRagged ? 0 : page_slot(token);
         const uint16_t* ksrc = static_cast<const uint16_t*>(kv.k);
         const uint16_t* vsrc = static_cast<const uint16_t*>(kv.v);
         if (valid) {
@@ -177,19 +197,32 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const AttentionPar
       // Scale, transform and mask; then the online softmax update per row (two rows per thread).
       const int tile_start = range_lo + t * Tr::kTileTokens + tok0;
       float tile_max[2] = {-INFINITY, -INFINITY};
-      for (int nt = 0; nt < 2; ++nt)
-        for (int e = 0; e < 4; ++e) {
-          const int h = e / 2;
-          const int j = tile_start + nt * 8 + 2 * (lane % 4) + (e % 2);
-          float x = s_acc[nt][e];
-          bool allowed = j >= r_lo[h] && j < r_hi[h];
-          if (allowed && transform) x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, r_head[h], r_pos[h], j) * kLog2e;
-          else x *= scale_log2;
-          if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, r_tok[h], j, kv_len);
-          x = allowed ? x : -INFINITY;
-          s_acc[nt][e] = x;
-          tile_max[h] = fmaxf(tile_max[h], x);
-        }
+      // Interior tiles (every row allows all 16 tokens, no per-element transform or custom mask) skip the
+      // per-element masking; the test is warp-uniform.
+      const bool plain = !transform && !vp.custom_mask && tile_start >= max_lo && tile_start + 16 <= min_hi;
+      if (plain) {
+        for (int nt = 0; nt < 2; ++nt)
+          for (int e = 0; e < 4; ++e) {
+            s_acc[nt][e] *= scale_log2;
+            tile_max[e / 2] = fmaxf(tile_max[e / 2], s_acc[nt][e]);
+          }
+      } else {
+        for (int nt = 0; nt < 2; ++nt)
+          for (int e = 0; e < 4; ++e) {
+            const int h = e / 2;
+            const int j = tile_start + nt * 8 + 2 * (lane % 4) + (e % 2);
+            float x = s_acc[nt][e];
+            bool allowed = j >= r_lo[h] && j < r_hi[h];
+            if (allowed && transform)
+              x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, r_head[h], r_pos[h], j) * kLog2e;
+            else
+              x *= scale_log2;
+            if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, r_tok[h], j, kv_len);
+            x = allowed ? x : -INFINITY;
+            s_acc[nt][e] = x;
+            tile_max[h] = fmaxf(tile_max[h], x);
+          }
+      }
       float corr[2];
       for (int h = 0; h < 2; ++h) {
         const float m_new = fmaxf(m_run[h], warp_max_quad(tile_max[h]));
@@ -204,10 +237,12 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const AttentionPar
           s_acc[nt][e] = pr;
           l_run[h] += pr;
         }
-      for (int n = 0; n < D / 8; ++n) {
-        o_acc[n][0] *= corr[0], o_acc[n][1] *= corr[0];
-        o_acc[n][2] *= corr[1], o_acc[n][3] *= corr[1];
-      }
+      // Once the running maxima settle, most tiles move none of them: skip the rescale then.
+      if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
+        for (int n = 0; n < D / 8; ++n) {
+          o_acc[n][0] *= corr[0], o_acc[n][1] *= corr[0];
+          o_acc[n][2] *= corr[1], o_acc[n][3] *= corr[1];
+        }
 
       // O += P V: the S accumulator layout of two n8 tiles is exactly the A layout of one k16 step.
       uint32_t a_p[4];
@@ -244,8 +279,8 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const AttentionPar
       const float f = m_run[h] == -INFINITY ? 0.f : exp2f(m_run[h] - m_all);
       for (int n = 0; n < D / 8; ++n) {
         const int col = n * 8 + 2 * (lane % 4);
-        s_o[(warp * Tr::kRows + r) * D + col] = o_acc[n][2 * h] * f;
-        s_o[(warp * Tr::kRows + r) * D + col + 1] = o_acc[n][2 * h + 1] * f;
+        s_o[(warp * Tr::kRows + r) * Tr::kMergeStride + col] = o_acc[n][2 * h] * f;
+        s_o[(warp * Tr::kRows + r) * Tr::kMergeStride + col + 1] = o_acc[n][2 * h + 1] * f;
       }
     }
     __syncthreads();
@@ -258,7 +293,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const AttentionPar
       for (int w = 0; w < Tr::kWarps; ++w) {
         const float m_w = s_m[w * Tr::kRows + r];
         if (m_w != -INFINITY) l_all += s_l[w * Tr::kRows + r] * exp2f(m_w - m_all);
-        o += s_o[(w * Tr::kRows + r) * D + d];
+        o += s_o[(w * Tr::kRows + r) * Tr::kMergeStride + d];
       }
       float lse = l_all > 0.f ? m_all + log2f(l_all) : -INFINITY;
       o = l_all > 0.f ? o * kv.v_scale / l_all : 0.f;
