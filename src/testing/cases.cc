@@ -9,6 +9,8 @@
 #include <numeric>
 #include <random>
 
+#include <sys/mman.h>
+
 #include "backends/cpu/convert.h"
 
 namespace attnforge::testing {
@@ -50,8 +52,13 @@ Buffer Buffer::make(DType dtype, size_t count) {
   b.dtype = dtype;
   b.count = count;
   const size_t bytes = std::max<size_t>(1, count * dtype_bytes(dtype));
-  b.storage = std::shared_ptr<uint8_t[]>(static_cast<uint8_t*>(::operator new[](bytes, std::align_val_t(256))),
-                                         [](uint8_t* p) { ::operator delete[](p, std::align_val_t(256)); });
+  // Large buffers (a KV cache) are 2 MiB aligned and asked to be backed by huge pages, as serving engines
+  // allocate their caches: with 4 KiB pages, decode's scattered page reads miss the TLB on nearly every row.
+  const size_t kHuge = size_t{2} << 20;
+  const size_t align = bytes >= kHuge ? kHuge : 256;
+  auto* p = static_cast<uint8_t*>(::operator new[](bytes, std::align_val_t(align)));
+  if (align == kHuge) madvise(p, (bytes + kHuge - 1) / kHuge * kHuge, MADV_HUGEPAGE);
+  b.storage = std::shared_ptr<uint8_t[]>(p, [align](uint8_t* q) { ::operator delete[](q, std::align_val_t(align)); });
   return b;
 }
 

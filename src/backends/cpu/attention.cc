@@ -10,6 +10,7 @@
 #include "attnforge/kernel/variant.h"
 #include "backends/cpu/convert.h"
 #include "backends/cpu/kernels.h"
+#include "backends/cpu/simd.h"
 #include "backends/cpu/thread_pool.h"
 
 namespace attnforge::cpu {
@@ -17,18 +18,6 @@ namespace attnforge::cpu {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline float dot(const float* __restrict a, const float* __restrict b, int32_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int32_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-inline void axpy(float* __restrict y, float a, const float* __restrict x, int32_t n) {
-#pragma omp simd
-  for (int32_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
 
 inline void scale_row(float* __restrict y, float a, int32_t n) {
 #pragma omp simd
@@ -55,8 +44,71 @@ void write_row(const AttentionParams& p, const WorkItem& it, int32_t tok, int32_
   }
 }
 
-void attend(const AttentionParams& p, const WorkItem& it, int32_t kv_head, int32_t row0, int32_t row1,
-            float* scratch) {
+// K/V rows to fp32: bf16 (the common cache type) inline, other types through load_row.
+inline void load_kv_row(const void* base, DType type, int64_t offset, int32_t n, float* __restrict dst) {
+  if (type == DType::kBFloat16) {
+    const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+    int32_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) store16(dst + i, bf16x16_to_float(src + i));
+    for (; i < n; ++i) {
+      const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
+      std::memcpy(dst + i, &u, 4);
+    }
+    return;
+  }
+  load_row(base, type, offset, n, 1.f, dst);
+}
+
+// Rows live in scratch at strides padded to 16 floats, with zero tails, so every inner loop runs on whole
+// 16-lane vectors (a zero tail adds nothing to a dot product or an accumulation).
+inline int32_t padded(int32_t d) { return (d + kLanes - 1) / kLanes * kLanes; }
+
+// Scores of one query row against tokens [0, n) of the converted K block: four tokens at a time share each
+// load of the query, and each dot product ends in one shuffle-tree sum.
+void score_row(const float* __restrict qr, const float* __restrict kb, int32_t n, int32_t d16, float* __restrict out) {
+  for (int32_t t = 0; t < n; t += 4) {
+    F16x a0{}, a1{}, a2{}, a3{};
+    const float* k0 = kb + t * d16;
+    for (int32_t c = 0; c < d16; c += kLanes) {
+      const F16x qv = load16(qr + c);
+      a0 += qv * load16(k0 + c);
+      a1 += qv * load16(k0 + d16 + c);
+      a2 += qv * load16(k0 + 2 * d16 + c);
+      a3 += qv * load16(k0 + 3 * d16 + c);
+    }
+    hsum16x4(a0, a1, a2, a3, out + t);
+  }
+}
+
+// One task: KV heads [head0, head1) of a work item, and rows [row0, row1) of each head's rows (query tokens x
+// the query heads of its group). Decode tasks take every KV head at once: a token's K/V rows of all heads are
+// adjacent in an NHD page, so the task streams through whole pages instead of reading one 256-byte row every
+// few kilobytes.
+// acc[0, d16) += sum over t < n of p[t] * v[t][0, d16), NC 16-lane chunks at a time: the accumulators stay in
+// registers across the tokens (independent FMA chains) and each probability is broadcast once per group.
+template <int NC>
+inline void accumulate_pv_group(float* __restrict acc, const float* __restrict p, const float* __restrict v, int32_t n,
+                                int32_t d16) {
+  F16x a[NC];
+  for (int i = 0; i < NC; ++i) a[i] = load16(acc + i * kLanes);
+  for (int32_t t = 0; t < n; ++t) {
+    const F16x pt = splat16(p[t]);
+    const float* vt = v + t * d16;
+    for (int i = 0; i < NC; ++i) a[i] += pt * load16(vt + i * kLanes);
+  }
+  for (int i = 0; i < NC; ++i) store16(acc + i * kLanes, a[i]);
+}
+
+inline void accumulate_pv(float* acc, const float* p, const float* v, int32_t n, int32_t d16) {
+  int32_t c = 0;
+  for (; c + 8 * kLanes <= d16; c += 8 * kLanes) accumulate_pv_group<8>(acc + c, p, v + c, n, d16);
+  if (c + 4 * kLanes <= d16) accumulate_pv_group<4>(acc + c, p, v + c, n, d16), c += 4 * kLanes;
+  if (c + 2 * kLanes <= d16) accumulate_pv_group<2>(acc + c, p, v + c, n, d16), c += 2 * kLanes;
+  if (c + kLanes <= d16) accumulate_pv_group<1>(acc + c, p, v + c, n, d16);
+}
+
+void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t head1, int32_t row0,
+            int32_t row1, float* scratch) {
   const KVParams& kv = p.kv;
   const VariantParams& vp = p.variant;
   const int32_t b = it.request;
@@ -64,7 +116,9 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t kv_head, int32
   const int32_t kv_len = p.plan->kv_len[b];
   const int32_t group = p.num_qo_heads / p.num_kv_heads;
   const int32_t dqk = p.head_dim_qk, dvo = p.head_dim_vo;
-  const int32_t rows = row1 - row0;
+  const int32_t dqk16 = padded(dqk), dvo16 = padded(dvo);
+  const int32_t per_head = row1 - row0;
+  const int32_t rows = (head1 - head0) * per_head;
 
   float* q = scratch;
   float* acc = q + kMaxRows * kMaxHeadDim;
@@ -75,6 +129,10 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t kv_head, int32
   float m[kMaxRows], l[kMaxRows];
   int32_t lo[kMaxRows], hi[kMaxRows], tok[kMaxRows], head[kMaxRows], qpos[kMaxRows];
   bool active[kMaxRows];
+  for (int32_t t = 0; t < kKVBlock; ++t) {
+    std::fill(kb + t * dqk16 + dqk, kb + (t + 1) * dqk16, 0.f);
+    std::fill(vb + t * dvo16 + dvo, vb + (t + 1) * dvo16, 0.f);
+  }
 
   const bool rope = vp.rope.enabled != 0;
   if (rope)
@@ -84,14 +142,15 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t kv_head, int32
 
   int32_t range_lo = kv_len, range_hi = 0;
   for (int32_t r = 0; r < rows; ++r) {
-    const int32_t rr = row0 + r;
+    const int32_t rr = row0 + r % per_head;
     tok[r] = it.qo_begin + rr / group;
-    head[r] = kv_head * group + rr % group;
+    head[r] = (head0 + r / per_head) * group + rr % group;
     qpos[r] = query_position(tok[r], qo_len, kv_len);
-    float* qr = q + r * dqk;
+    float* qr = q + r * dqk16;
     load_row(p.q, p.q_dtype, (qo_start + tok[r]) * p.q_stride_token + head[r] * p.q_stride_head, dqk, 1.f, qr);
     if (rope) rope_rotate(vp.rope, freqs, qr, qpos[r] + pos_offset);
     scale_row(qr, q_scale, dqk);
+    std::fill(qr + dqk, qr + dqk16, 0.f);
     allowed_kv_range(vp, qpos[r], kv_len, &lo[r], &hi[r]);
     lo[r] = std::max(lo[r], it.kv_begin);
     hi[r] = std::max(lo[r], std::min(hi[r], it.kv_end));
@@ -101,66 +160,101 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t kv_head, int32
     }
     m[r] = kNegInf;
     l[r] = 0.f;
-    std::fill(acc + r * dvo, acc + (r + 1) * dvo, 0.f);
+    std::fill(acc + r * dvo16, acc + (r + 1) * dvo16, 0.f);
   }
 
+  // Element offsets of each token of a block in K and V (head 0): one page lookup per token, shared by all
+  // heads of the task. Two buffers: the next block's offsets are computed with its prefetch.
+  int64_t k_base[2][kKVBlock], v_base[2][kKVBlock];
+  auto token_offsets = [&](int32_t first, int32_t buf) {
+    const int32_t last = std::min(range_hi, first + kKVBlock);
+    for (int32_t j = first; j < last; ++j) {
+      k_base[buf][j - first] = kv_k_offset(kv, b, j, 0);
+      v_base[buf][j - first] = kv_v_offset(kv, b, j, 0);
+    }
+  };
+  // The next block's rows are prefetched while this one is computed: pages are scattered, so the hardware
+  // prefetchers lose the stream at every page boundary.
+  const int64_t elem = dtype_bytes(kv.dtype);
+  auto prefetch_block = [&](int32_t first, int32_t buf) {
+    token_offsets(first, buf);
+    const int32_t last = std::min(range_hi, first + kKVBlock);
+    for (int32_t j = first; j < last; ++j)
+      for (int32_t h = head0; h < head1; ++h) {
+        const char* kr = static_cast<const char*>(kv.k) + (k_base[buf][j - first] + h * kv.k_stride_head) * elem;
+        const char* vr = static_cast<const char*>(kv.v) + (v_base[buf][j - first] + h * kv.v_stride_head) * elem;
+        for (int64_t o = 0; o < dqk * elem; o += 64) __builtin_prefetch(kr + o);
+        for (int64_t o = 0; o < dvo * elem; o += 64) __builtin_prefetch(vr + o);
+      }
+  };
+  if (range_lo < range_hi) prefetch_block(range_lo, 0);
+
   const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
-  for (int32_t j0 = range_lo; j0 < range_hi; j0 += kKVBlock) {
+  for (int32_t j0 = range_lo, buf = 0; j0 < range_hi; j0 += kKVBlock, buf ^= 1) {
     const int32_t n = std::min(kKVBlock, range_hi - j0);
-    for (int32_t t = 0; t < n; ++t) {
-      load_row(kv.k, kv.dtype, kv_k_offset(kv, b, j0 + t, kv_head), dqk, 1.f, kb + t * dqk);
-      if (rope) rope_rotate(vp.rope, freqs, kb + t * dqk, j0 + t + pos_offset);
-    }
-    bool any = false;
-    for (int32_t r = 0; r < rows; ++r) {
-      float* sr = s + r * kKVBlock;
-      const int32_t t_lo = std::max(lo[r] - j0, 0), t_hi = std::min(hi[r] - j0, n);
-      active[r] = t_lo < t_hi;
-      if (!active[r]) continue;
-      const float* qr = q + r * dqk;
-      float block_max = kNegInf;
+    const int32_t n4 = (n + 3) / 4 * 4;  // score_row works in fours; the extra scores are discarded
+    if (j0 + kKVBlock < range_hi) prefetch_block(j0 + kKVBlock, buf ^ 1);
+    for (int32_t kh = head0; kh < head1; ++kh) {
+      const int32_t r_begin = (kh - head0) * per_head, r_end = r_begin + per_head;
       for (int32_t t = 0; t < n; ++t) {
-        float x = kNegInf;
-        if (t >= t_lo && t < t_hi) {
-          x = dot(qr, kb + t * dqk, dqk);
-          if (transform) x = transform_logit(vp, x, head[r], qpos[r], j0 + t);
-          if (vp.custom_mask && !custom_mask_allows(vp, b, tok[r], j0 + t, kv_len)) x = kNegInf;
+        load_kv_row(kv.k, kv.dtype, k_base[buf][t] + kh * kv.k_stride_head, dqk, kb + t * dqk16);
+        if (rope) rope_rotate(vp.rope, freqs, kb + t * dqk16, j0 + t + pos_offset);
+      }
+      for (int32_t t = n; t < n4; ++t) std::fill(kb + t * dqk16, kb + t * dqk16 + dqk, 0.f);
+      bool any = false;
+      for (int32_t r = r_begin; r < r_end; ++r) {
+        float* sr = s + r * kKVBlock;
+        const int32_t t_lo = std::max(lo[r] - j0, 0), t_hi = std::min(hi[r] - j0, n);
+        active[r] = t_lo < t_hi;
+        if (!active[r]) continue;
+        score_row(q + r * dqk16, kb, n4, dqk16, sr);
+        if (t_lo == 0 && t_hi == kKVBlock && !transform && !vp.custom_mask) {
+          // Whole block allowed and no per-logit work: the common case of decode.
+        } else {
+          for (int32_t t = 0; t < kKVBlock; ++t) {
+            if (t < t_lo || t >= t_hi) {
+              sr[t] = kNegInf;
+              continue;
+            }
+            if (transform) sr[t] = transform_logit(vp, sr[t], head[r], qpos[r], j0 + t);
+            if (vp.custom_mask && !custom_mask_allows(vp, b, tok[r], j0 + t, kv_len)) sr[t] = kNegInf;
+          }
         }
-        sr[t] = x;
-        block_max = std::max(block_max, x);
+        const float block_max = hmax16(max16(load16(sr), load16(sr + kLanes)));
+        if (block_max == kNegInf) {
+          active[r] = false;
+          continue;
+        }
+        const float m_new = std::max(m[r], block_max);
+        const float corr = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
+        if (corr != 1.f) {
+          l[r] *= corr;
+          scale_row(acc + r * dvo16, corr, dvo16);
+        }
+        F16x sum{};
+        for (int32_t t = 0; t < kKVBlock; t += kLanes) {
+          const F16x e = exp16(load16(sr + t) - m_new);
+          store16(sr + t, e);
+          sum += e;
+        }
+        l[r] += hsum16(sum);
+        m[r] = m_new;
+        any = true;
       }
-      if (block_max == kNegInf) {
-        active[r] = false;
-        continue;
-      }
-      const float m_new = std::max(m[r], block_max);
-      const float corr = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
-      if (corr != 1.f) {
-        l[r] *= corr;
-        scale_row(acc + r * dvo, corr, dvo);
-      }
-      float sum = 0.f;
-      for (int32_t t = 0; t < n; ++t) {
-        sr[t] = std::exp(sr[t] - m_new);
-        sum += sr[t];
-      }
-      l[r] += sum;
-      m[r] = m_new;
-      any = true;
-    }
-    if (!any) continue;
-    for (int32_t t = 0; t < n; ++t) load_row(kv.v, kv.dtype, kv_v_offset(kv, b, j0 + t, kv_head), dvo, 1.f, vb + t * dvo);
-    for (int32_t r = 0; r < rows; ++r) {
-      if (!active[r]) continue;
-      const float* sr = s + r * kKVBlock;
-      float* ar = acc + r * dvo;
+      if (!any) continue;
       for (int32_t t = 0; t < n; ++t)
-        if (sr[t] != 0.f) axpy(ar, sr[t], vb + t * dvo, dvo);
+        load_kv_row(kv.v, kv.dtype, v_base[buf][t] + kh * kv.v_stride_head, dvo, vb + t * dvo16);
+      for (int32_t r = r_begin; r < r_end; ++r) {
+        if (!active[r]) continue;
+        const float* sr = s + r * kKVBlock;
+        float* ar = acc + r * dvo16;
+        accumulate_pv(ar, sr, vb, n, dvo16);
+      }
     }
   }
 
   for (int32_t r = 0; r < rows; ++r) {
-    float* ar = acc + r * dvo;
+    float* ar = acc + r * dvo16;
     scale_row(ar, l[r] > 0.f ? kv.v_scale / l[r] : 0.f, dvo);
     const float lse_nat = l[r] > 0.f ? m[r] + std::log(l[r]) : kNegInf;
     write_row(p, it, tok[r], head[r], ar, lse_nat);
@@ -206,15 +300,20 @@ void attention(const AttentionParams& p) {
   const int32_t num_items = plan.num_items, num_merges = plan.num_merges;
   for (int32_t i = 0; i < num_items; ++i)
     max_rows = std::max(max_rows, (plan.items[i].qo_end - plan.items[i].qo_begin) * group);
+  // Split each item's rows into tasks: several KV heads per task when a head's rows are few (decode), blocks
+  // of one head's rows when they are many (prefill tiles of large groups).
   const int32_t row_blocks = (max_rows + kMaxRows - 1) / kMaxRows;
-  const int64_t per_item = static_cast<int64_t>(p.num_kv_heads) * row_blocks;
+  const int32_t heads_per_task = row_blocks > 1 || max_rows == 0 ? 1 : std::max(1, kMaxRows / max_rows);
+  const int32_t head_tasks = (p.num_kv_heads + heads_per_task - 1) / heads_per_task;
+  const int64_t per_item = static_cast<int64_t>(head_tasks) * row_blocks;
   pool.parallel_for(num_items * per_item, [&](int64_t task, int32_t worker) {
     const WorkItem& it = plan.items[task / per_item];
-    const int32_t kv_head = static_cast<int32_t>((task % per_item) / row_blocks);
+    const int32_t head0 = static_cast<int32_t>((task % per_item) / row_blocks) * heads_per_task;
+    const int32_t head1 = std::min(p.num_kv_heads, head0 + heads_per_task);
     const int32_t rb = static_cast<int32_t>(task % row_blocks);
     const int32_t rows = (it.qo_end - it.qo_begin) * group;
     const int32_t row0 = rb * kMaxRows, row1 = std::min(rows, row0 + kMaxRows);
-    if (row0 < row1) attend(p, it, kv_head, row0, row1, pool.scratch(worker));
+    if (row0 < row1) attend(p, it, head0, head1, row0, row1, pool.scratch(worker));
   });
   if (num_merges > 0) {
     pool.parallel_for(static_cast<int64_t>(num_merges) * p.num_qo_heads, [&](int64_t task, int32_t worker) {
