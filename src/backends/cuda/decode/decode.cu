@@ -66,7 +66,7 @@ void run_decode(const AttentionParams& p, const DecodeLaunch& launch, cudaStream
   }
   if (launch.merge_capacity > 0) {
     const dim3 grid(launch.merge_capacity, p.num_qo_heads);
-    merge_kernel<<<grid, 128, 0, stream>>>(p);
+    merge_kernel<<<grid, kMergeThreads, 0, stream>>>(p);
     ATTNFORGE_CUDA_CHECK(cudaGetLastError());
   }
 }

@@ -28,13 +28,9 @@ struct DecodeTraits {
   static constexpr int kChunks = kHeadDim / 8;     // 16-byte chunks per row
   static constexpr int kRowGroups = kThreads / kChunks;
   static constexpr int kLoadRows = kTileTokens / kRowGroups;  // rows of a tile each thread copies
-  // Shared-memory rows are padded by 16 bytes: ldmatrix then reads 8 rows at one column from 8 different bank
-  // groups, and a whole row stays contiguous, so one bulk copy can fill it.
-  static constexpr int kRowStride = kHeadDim + 8;
-  static constexpr int kTileElems = kTileTokens * kRowStride;
+  static constexpr int kTileElems = kTileTokens * kHeadDim;
   // Shared memory: Q, then K stages, then V stages (16-bit elements); the cross-warp merge reuses K/V.
-  static constexpr int kBarrierBytes = 16;  // one mbarrier per stage (sm_90 bulk copies)
-  static constexpr int kSmemBytes = kBarrierBytes + 2 * (kRows * kRowStride + 2 * kStages * kTileElems);
+  static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * kStages * kTileElems);
   // Cross-warp merge buffer: per warp m and l of 16 rows, then 16 rows of kHeadDim + 8 floats (the padding
   // moves each row 8 banks, so the 8 rows a store instruction writes hit different banks).
   static constexpr int kMergeStride = kHeadDim + 8;
@@ -44,20 +40,20 @@ struct DecodeTraits {
   static_assert(kMergeBytes <= 2 * 2 * kStages * kTileElems, "merge buffer must fit in the K/V stages");
 };
 
-// Element offset of 16-byte chunk `chunk` of shared-memory row `row`.
+// Rows are kHeadDim 16-bit elements; chunk c of row r lives at chunk c ^ (r & 7). ldmatrix reads 8 rows at one
+// logical chunk; the XOR spreads them over 8 different 16-byte bank groups, so the reads are conflict-free.
 template <int kHeadDim>
 __device__ __forceinline__ int swizzle(int row, int chunk) {
-  return row * (kHeadDim + 8) + chunk * 8;
+  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
 }
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kernel(const AttentionParams p) {
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim;
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw);  // [kStages]
-  uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw + Tr::kBarrierBytes);
-  uint16_t* sK = sQ + Tr::kRows * Tr::kRowStride;
+  extern __shared__ __align__(128) uint16_t smem[];
+  uint16_t* sQ = smem;
+  uint16_t* sK = sQ + Tr::kRows * D;
   uint16_t* sV = sK + Tr::kStages * Tr::kTileElems;
 
   const PlanView& plan = *p.plan;
@@ -70,16 +66,6 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
   const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
   const int num_items = plan.num_items;
-#if __CUDA_ARCH__ >= 900
-  if (tid == 0) {
-    for (int s = 0; s < Tr::kStages; ++s) mbarrier_init(&bars[s], 32);  // the producer warp's 32 lanes arrive
-    fence_mbarrier_init();
-  }
-  __syncthreads();
-  uint32_t phase_bits = 0;  // bit s: parity of stage s's next barrier phase (a register, not an indexed array)
-#else
-  (void)bars;
-#endif
 
   for (int item_index = blockIdx.x; item_index < num_items; item_index += gridDim.x) {
     const WorkItem it = plan.items[item_index];
@@ -139,86 +125,38 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
     // one iteration before its copies are issued, so their latency hides behind the compute of a tile.
     const int64_t page_list = kv.format == KVFormat::kBlockTable ? static_cast<int64_t>(b) * kv.page_list_stride
                                                                   : static_cast<int64_t>(kv.page_list_indptr[b]);
+    const int chunk = tid % Tr::kChunks;
     // Page sizes are almost always powers of two; shifts then replace two integer divisions per row and tile.
     const bool page_pow2 = (kv.page_size & (kv.page_size - 1)) == 0;
     const int page_shift = __ffs(kv.page_size) - 1;
     auto page_index = [&](int token) { return page_pow2 ? token >> page_shift : token / kv.page_size; };
     auto page_slot = [&](int token) { return page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size; };
-    auto page_of = [&](int token) -> int64_t {
-      const int clamped = min(token, range_hi - 1);  // rows past the range are zero-filled, never read
-      return kv.format == KVFormat::kRagged ? page_list + clamped
-                                            : static_cast<int64_t>(kv.page_ids[page_list + page_index(clamped)]);
-    };
-    auto k_row = [&](int64_t page, int token) {
-      const int64_t slot = kv.format == KVFormat::kRagged ? 0 : page_slot(token);
-      return static_cast<const uint16_t*>(kv.k) + page * kv.k_stride_page + slot * kv.k_stride_token +
-             kv_head * kv.k_stride_head;
-    };
-    auto v_row = [&](int64_t page, int token) {
-      const int64_t slot = kv.format == KVFormat::kRagged ? 0 : page_slot(token);
-      return static_cast<const uint16_t*>(kv.v) + page * kv.v_stride_page + slot * kv.v_stride_token +
-             kv_head * kv.v_stride_head;
-    };
-#if __CUDA_ARCH__ >= 900
-    // sm_90: warp 0 fills a stage with one bulk copy per K row and per V row (two rows per lane), counted as
-    // transaction bytes on the stage's mbarrier; rows past the range are zeroed with plain stores, published by
-    // the lanes' arrivals. Page ids for the next tile are fetched one iteration ahead.
-    constexpr int kRowsPerLane = Tr::kTileTokens / 32;
-    int64_t pages[kRowsPerLane];
-    auto fetch_pages = [&](int t) {
-      if (warp != 0) return;
-      for (int k = 0; k < kRowsPerLane; ++k) pages[k] = page_of(range_lo + t * Tr::kTileTokens + lane + 32 * k);
-    };
-    auto load_tile = [&](int t, int s) {
-      if (warp != 0) return;
-      const int tile_start = range_lo + t * Tr::kTileTokens;
-      const int valid = min(Tr::kTileTokens, range_hi - tile_start);
-      fence_proxy_async();
-      if (lane == 0) mbarrier_expect_tx(&bars[s], static_cast<uint32_t>(valid) * 2 * D * 2);
-      __syncwarp();
-      for (int k = 0; k < kRowsPerLane; ++k) {
-        const int r = lane + 32 * k;
-        uint16_t* k_dst = sK + s * Tr::kTileElems + r * Tr::kRowStride;
-        uint16_t* v_dst = sV + s * Tr::kTileElems + r * Tr::kRowStride;
-        if (r < valid) {
-          bulk_copy_to_shared(k_dst, k_row(pages[k], tile_start + r), D * 2, &bars[s]);
-          bulk_copy_to_shared(v_dst, v_row(pages[k], tile_start + r), D * 2, &bars[s]);
-        } else {
-          for (int c = 0; c < Tr::kChunks; ++c) {
-            reinterpret_cast<uint4*>(k_dst)[c] = make_uint4(0, 0, 0, 0);
-            reinterpret_cast<uint4*>(v_dst)[c] = make_uint4(0, 0, 0, 0);
-          }
-        }
-      }
-      mbarrier_arrive(&bars[s]);
-    };
-    auto wait_tile = [&](int s) {
-      mbarrier_wait(&bars[s], (phase_bits >> s) & 1u);
-      phase_bits ^= 1u << s;
-    };
-#else
-    // sm_80: every thread copies 16-byte chunks with cp.async (zero-filled past the range).
-    const int chunk = tid % Tr::kChunks;
     int64_t pages[Tr::kLoadRows];
     auto fetch_pages = [&](int t) {
-      for (int k = 0; k < Tr::kLoadRows; ++k)
-        pages[k] = page_of(range_lo + t * Tr::kTileTokens + tid / Tr::kChunks + k * Tr::kRowGroups);
+      for (int k = 0; k < Tr::kLoadRows; ++k) {
+        const int token = range_lo + t * Tr::kTileTokens + tid / Tr::kChunks + k * Tr::kRowGroups;
+        const int clamped = min(token, range_hi - 1);  // rows past the range are zero-filled, never read
+        pages[k] = kv.format == KVFormat::kRagged ? page_list + clamped
+                                                  : static_cast<int64_t>(kv.page_ids[page_list + page_index(clamped)]);
+      }
     };
+    // Copies tile `t` of K and V into stage `s` from the pages fetched for it.
     auto load_tile = [&](int t, int s) {
       for (int k = 0; k < Tr::kLoadRows; ++k) {
         const int r = tid / Tr::kChunks + k * Tr::kRowGroups;
         const int token = range_lo + t * Tr::kTileTokens + r;
         const bool valid = token < range_hi;
-        const uint16_t* ksrc = valid ? k_row(pages[k], token) + chunk * 8 : static_cast<const uint16_t*>(kv.k);
-        const uint16_t* vsrc = valid ? v_row(pages[k], token) + chunk * 8 : static_cast<const uint16_t*>(kv.v);
+        const int64_t slot = kv.format == KVFormat::kRagged ? 0 : page_slot(token);
+        const uint16_t* ksrc = static_cast<const uint16_t*>(kv.k);
+        const uint16_t* vsrc = static_cast<const uint16_t*>(kv.v);
+        if (valid) {
+          ksrc += pages[k] * kv.k_stride_page + slot * kv.k_stride_token + kv_head * kv.k_stride_head + chunk * 8;
+          vsrc += pages[k] * kv.v_stride_page + slot * kv.v_stride_token + kv_head * kv.v_stride_head + chunk * 8;
+        }
         cp_async_16(sK + s * Tr::kTileElems + swizzle<D>(r, chunk), ksrc, valid ? 16 : 0);
         cp_async_16(sV + s * Tr::kTileElems + swizzle<D>(r, chunk), vsrc, valid ? 16 : 0);
       }
-      cp_async_commit();
     };
-    // The next tile's group was committed just before the wait: leave only that one in flight.
-    auto wait_tile = [&](int) { cp_async_wait<Tr::kStages - 1>(); };
-#endif
 
     float o_acc[D / 8][4];
     for (int n = 0; n < D / 8; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
@@ -229,29 +167,18 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
         fetch_pages(s);
         load_tile(s, s);
       }
-#if __CUDA_ARCH__ < 900
-      else {
-        cp_async_commit();  // keep one group per stage so the wait counts line up
-      }
-#endif
+      cp_async_commit();
     }
     if (Tr::kStages - 1 < num_tiles) fetch_pages(Tr::kStages - 1);
     for (int t = 0; t < num_tiles; ++t) {
-      __syncthreads();  // every warp is done with tile t - 1, whose stage the next load reuses
+      cp_async_wait<Tr::kStages - 2>();
+      __syncthreads();  // tile t has landed for every thread, and every warp is done with tile t - 1
       const int next = t + Tr::kStages - 1;
       if (next < num_tiles) {
         load_tile(next, next % Tr::kStages);
         if (next + 1 < num_tiles) fetch_pages(next + 1);
       }
-#if __CUDA_ARCH__ < 900
-      else {
-        cp_async_commit();
-      }
-#endif
-      wait_tile(t % Tr::kStages);
-#if __CUDA_ARCH__ < 900
-      __syncthreads();  // cp.async completion is per thread: make every thread's chunks of tile t visible
-#endif
+      cp_async_commit();
 
       const uint16_t* k_tile = sK + (t % Tr::kStages) * Tr::kTileElems;
       const uint16_t* v_tile = sV + (t % Tr::kStages) * Tr::kTileElems;
@@ -330,10 +257,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
         mma_16816(o_acc[2 * nd + 1], a_p, bv[2], bv[3], Elem{});
       }
     }
-#if __CUDA_ARCH__ < 900
     cp_async_wait<0>();
-#endif
-    __syncthreads();  // all warps are done with the stages (every issued tile was waited for): reuse them
+    __syncthreads();  // all warps are done with the stages: reuse them for the merge
 
     // Merge the four warps' states. Row sums are per-thread partials until here.
     float* s_m = reinterpret_cast<float*>(sK);  // [warps][16]
@@ -394,43 +319,74 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
   }
 }
 
-// Combines the partial states of each merge item: one CTA per (merge, query head), one thread per dimension.
-__global__ void merge_kernel(const AttentionParams p) {
+constexpr int kMergeThreads = 128;
+constexpr int kMergeChunk = 256;  // partial states whose weights sit in shared memory at once
+
+__device__ __forceinline__ float block_reduce_max(float x, float* scratch) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+  __syncthreads();
+  x = scratch[0];
+  for (int w = 1; w < kMergeThreads / 32; ++w) x = fmaxf(x, scratch[w]);
+  __syncthreads();
+  return x;
+}
+
+// Combines the partial states of each merge item: one CTA per (merge, query head). The weights of up to
+// kMergeChunk partial states are computed in parallel into shared memory, then each thread accumulates its
+// dimensions over them with independent loads (a serial chain of dependent loads per state was 11 us for 16
+// states: every one waited a full L2 round trip).
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const AttentionParams p) {
+  __shared__ float s_w[kMergeChunk];
+  __shared__ int64_t s_row[kMergeChunk];
+  __shared__ float s_red[kMergeThreads / 32];
   const PlanView& plan = *p.plan;
   const int h = blockIdx.y;
   const int dvo = p.head_dim_vo;
+  const int tid = threadIdx.x;
   for (int mi_index = blockIdx.x; mi_index < plan.num_merges; mi_index += gridDim.x) {
     const MergeItem mi = plan.merges[mi_index];
     const int qo_start = plan.qo_indptr[mi.request];
     for (int tok = mi.qo_begin; tok < mi.qo_end; ++tok) {
+      const WorkItem* items = plan.items + mi.first_item;
+      const int row_offset = tok - mi.qo_begin;
       float m = -INFINITY;
-      for (int k = 0; k < mi.num_items; ++k) {
-        const int64_t row = static_cast<int64_t>(plan.items[mi.first_item + k].partial_row) + (tok - mi.qo_begin);
-        m = fmaxf(m, plan.partial_lse[row * p.num_qo_heads + h]);
-      }
-      for (int d = threadIdx.x; d < dvo; d += blockDim.x) {
-        float l = 0.f, o = 0.f;
-        if (m != -INFINITY)
-          for (int k = 0; k < mi.num_items; ++k) {
-            const int64_t row = static_cast<int64_t>(plan.items[mi.first_item + k].partial_row) + (tok - mi.qo_begin);
-            const float lse_k = plan.partial_lse[row * p.num_qo_heads + h];
-            if (lse_k == -INFINITY) continue;
-            const float w = exp2f(lse_k - m);
-            l += w;
-            o += w * plan.partial_o[(row * p.num_qo_heads + h) * dvo + d];
-          }
-        float lse = l > 0.f ? m + log2f(l) : -INFINITY;
-        o = l > 0.f ? o / l : 0.f;
-        if (p.variant.sinks) {
-          const float sink = p.variant.sinks[h] * kLog2e;
-          const float mx = fmaxf(lse, sink);
-          const float total = mx + log2f(exp2f(lse - mx) + exp2f(sink - mx));
-          o *= exp2f(lse - total);
-          lse = total;
+      for (int k = tid; k < mi.num_items; k += kMergeThreads) m = fmaxf(m, plan.partial_lse[(static_cast<int64_t>(items[k].partial_row) + row_offset) * p.num_qo_heads + h]);
+      m = block_reduce_max(m, s_red);
+      float l = 0.f, o0 = 0.f, o1 = 0.f;  // dims tid and tid + 128 (head_dim <= 256)
+      for (int base = 0; base < mi.num_items; base += kMergeChunk) {
+        const int n = min(kMergeChunk, mi.num_items - base);
+        for (int k = tid; k < n; k += kMergeThreads) {
+          const int64_t row = static_cast<int64_t>(items[base + k].partial_row) + row_offset;
+          const float lse_k = plan.partial_lse[row * p.num_qo_heads + h];
+          s_w[k] = m == -INFINITY || lse_k == -INFINITY ? 0.f : exp2f(lse_k - m);
+          s_row[k] = (row * p.num_qo_heads + h) * dvo;
         }
-        store_element(p.o, p.o_dtype, (qo_start + tok) * p.o_stride_token + h * p.o_stride_head + d, o);
-        if (p.lse && d == 0) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
+        __syncthreads();
+#pragma unroll 8
+        for (int k = 0; k < n; ++k) {
+          const float w = s_w[k];
+          l += w;
+          const float* part = plan.partial_o + s_row[k];
+          if (tid < dvo) o0 += w * part[tid];
+          if (tid + kMergeThreads < dvo) o1 += w * part[tid + kMergeThreads];
+        }
+        __syncthreads();
       }
+      float lse = l > 0.f ? m + log2f(l) : -INFINITY;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float f = inv;
+      if (p.variant.sinks) {
+        const float sink = p.variant.sinks[h] * kLog2e;
+        const float mx = fmaxf(lse, sink);
+        const float total = mx + log2f(exp2f(lse - mx) + exp2f(sink - mx));
+        f *= exp2f(lse - total);
+        lse = total;
+      }
+      const int64_t out_row = (qo_start + tok) * p.o_stride_token + h * p.o_stride_head;
+      if (tid < dvo) store_element(p.o, p.o_dtype, out_row + tid, o0 * f);
+      if (tid + kMergeThreads < dvo) store_element(p.o, p.o_dtype, out_row + tid + kMergeThreads, o1 * f);
+      if (p.lse && tid == 0) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
     }
   }
 }
