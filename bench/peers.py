@@ -109,6 +109,7 @@ def main():
                 print(f"peers: flex on {r['case']} failed: {type(ex).__name__}: {str(ex)[:160]}", file=sys.stderr)
         del qs, ks, vs
         torch.cuda.empty_cache()
+        json.dump(out, open(args.out, "w"), indent=1)  # after every shape, so a cut-short run keeps what it measured
     json.dump(out, open(args.out, "w"), indent=1)
 
 
