@@ -147,7 +147,8 @@ DeviceInfo resolve_device(const std::string& requested) {
   for (const DeviceInfo& d : devices) {
     if (!d.attention) continue;
     if (!best || (best->device.type == DeviceType::kCPU && d.device.type == DeviceType::kCUDA)) best = &d;
-    if (to_string(d.device) == requested || d.name == requested) return d;
+    const bool any_gpu = requested == "cuda" && d.device.type == DeviceType::kCUDA;  // "cuda": the first GPU
+    if (to_string(d.device) == requested || d.name == requested || any_gpu) return d;
     runs += (runs.empty() ? "" : ", ") + to_string(d.device);
     if (d.name != to_string(d.device)) runs += fmt::format(" ({})", d.name);
   }
