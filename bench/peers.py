@@ -48,9 +48,9 @@ def main():
         "sdpa-cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
     }
     try:
-        import torch._dynamo
-        torch._dynamo.config.recompile_limit = 1000
-        torch._dynamo.config.cache_size_limit = 1000
+        import torch._dynamo as dynamo  # an alias: a plain `import torch._dynamo` here would make torch local
+        dynamo.config.recompile_limit = 1000
+        dynamo.config.cache_size_limit = 1000
         from torch.nn.attention.flex_attention import flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
     except Exception as ex:  # noqa: BLE001

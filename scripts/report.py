@@ -7,7 +7,10 @@ import sys
 
 def main():
     ours = json.load(open(sys.argv[1]))
-    peers = json.load(open(sys.argv[2])) if len(sys.argv) > 2 else []
+    try:
+        peers = json.load(open(sys.argv[2])) if len(sys.argv) > 2 else []
+    except FileNotFoundError:
+        peers = []
     header = [r for r in ours if r.get("system") == "ceiling"]
     lines = []
     for c in header:
