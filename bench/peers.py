@@ -107,7 +107,7 @@ def main():
                 add("flex(compiled)", bench(lambda i: flex(qs[i], ks[i], vs[i], enable_gqa=True), copies), note)
             except Exception as ex:  # noqa: BLE001
                 print(f"peers: flex on {r['case']} failed: {type(ex).__name__}: {str(ex)[:160]}", file=sys.stderr)
-        del qs, ks, vs
+        qs = ks = vs = None  # free the copies before the next shape
         torch.cuda.empty_cache()
         json.dump(out, open(args.out, "w"), indent=1)  # after every shape, so a cut-short run keeps what it measured
     json.dump(out, open(args.out, "w"), indent=1)
