@@ -67,7 +67,7 @@ struct AttentionPlan {
   int64_t total_qo = 0;
   bool causal = false;        // made with PlanOptions::causal
   int32_t qo_tile = 0;        // query tokens per item (decode: a whole request)
-  int32_t kv_chunk = 0;       // KV tokens per item when split; 0: not split
+  int32_t kv_chunk = 0;       // the longest KV piece of a split item (at least the planned chunk); 0: not split
   std::vector<int32_t> qo_indptr;  // [batch + 1]
   std::vector<int32_t> kv_len;     // [batch]
   std::vector<WorkItem> items;

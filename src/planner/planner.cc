@@ -155,6 +155,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
   in.num_workers = workers;
   in.align = std::max(16, plan.page_size);
   in.min_chunk = backend.min_split_tokens();
+  in.waves = backend.split_waves();
   int32_t chunk = 0;
   if (a.options.deterministic) {
     if (a.options.fixed_split_size < 0)
@@ -174,7 +175,9 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     if (chunk > 0 && t.kv_end > chunk) {
       piece = chunk;
       if (!a.options.deterministic) {
-        const int32_t pieces = (t.kv_end + chunk - 1) / chunk;
+        // Round the piece count down: the split then never makes more units than the target (one wave of CTAs
+        // on a GPU), and a partial extra wave costs more than slightly longer pieces.
+        const int32_t pieces = std::max(1, t.kv_end / chunk);
         piece = ((t.kv_end + pieces - 1) / pieces + in.align - 1) / in.align * in.align;
       }
     }
@@ -183,6 +186,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
       plan.items.push_back({t.request, t.qo_begin, t.qo_end, 0, t.kv_end, -1});
       continue;
     }
+    plan.kv_chunk = std::max(plan.kv_chunk, piece);  // the longest piece, which rounding down can stretch
     plan.merges.push_back({t.request, t.qo_begin, t.qo_end, static_cast<int32_t>(plan.items.size()), pieces});
     for (int32_t p = 0; p < pieces; ++p) {
       const int32_t k0 = p * piece, k1 = std::min(t.kv_end, k0 + piece);

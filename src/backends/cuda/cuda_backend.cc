@@ -87,6 +87,7 @@ class CudaBackend final : public Backend {
   bool plan_in_device_memory() const override { return true; }
   // Two 64-token tiles: one CTA's pipeline still overlaps a load with a compute.
   int32_t min_split_tokens() const override { return 128; }
+  int32_t split_waves() const override { return 1; }
 
   void copy_to_device(void* dst, const void* src, size_t bytes, Stream stream) override {
     DeviceGuard guard(device_);
