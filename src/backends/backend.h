@@ -19,8 +19,8 @@ class Backend {
   // Shortest KV piece worth splitting off: below it a split's partial-state write and merge cost more than the
   // parallelism gains.
   virtual int32_t min_split_tokens() const { return 256; }
-  // Parallel units the split aims at, per worker: CPU threads take tasks of uneven cost from a queue, so two
-  // each balance better; a GPU wants exactly its resident CTAs, one wave.
+  // Parallel units a split aims at per worker: 2 (CPU threads take uneven tasks from a queue), or 1 for a
+  // device whose under-filled batches should become exactly one wave of work (a GPU's resident CTAs).
   virtual int32_t split_waves() const { return 2; }
   // Rows (query tokens x heads of a group) a prefill item should hold.
   virtual int32_t target_tile_rows() const = 0;

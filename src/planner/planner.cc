@@ -155,7 +155,11 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
   in.num_workers = workers;
   in.align = std::max(16, plan.page_size);
   in.min_chunk = backend.min_split_tokens();
-  in.waves = backend.split_waves();
+  // A GPU batch that leaves SMs idle is cut into exactly one wave of CTAs (piece counts rounded down); a batch
+  // of a wave or more is cut toward two waves of shorter pieces (rounded up), which evens out the tail.
+  const bool one_wave = backend.split_waves() == 1 &&
+                        static_cast<int64_t>(tiles.size()) * shape.num_kv_heads < static_cast<int64_t>(workers);
+  in.waves = one_wave ? 1 : 2;
   int32_t chunk = 0;
   if (a.options.deterministic) {
     if (a.options.fixed_split_size < 0)
@@ -175,9 +179,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     if (chunk > 0 && t.kv_end > chunk) {
       piece = chunk;
       if (!a.options.deterministic) {
-        // Round the piece count down: the split then never makes more units than the target (one wave of CTAs
-        // on a GPU), and a partial extra wave costs more than slightly longer pieces.
-        const int32_t pieces = std::max(1, t.kv_end / chunk);
+        const int32_t pieces = one_wave ? std::max(1, t.kv_end / chunk) : (t.kv_end + chunk - 1) / chunk;
         piece = ((t.kv_end + pieces - 1) / pieces + in.align - 1) / in.align * in.align;
       }
     }
