@@ -8,11 +8,6 @@
 #include "testing/compare.h"
 #include "testing/registry.h"
 
-namespace attnforge::testing {
-// gtest prints a parameter through PrintTo, found by argument-dependent lookup.
-void PrintTo(const CaseSpec& spec, std::ostream* os) { *os << spec.describe(); }
-}  // namespace attnforge::testing
-
 using namespace attnforge;
 using namespace attnforge::testing;
 

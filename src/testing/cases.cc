@@ -87,6 +87,8 @@ std::string CaseSpec::describe() const {
                      padded_strides ? " padded" : "", plan.deterministic ? " deterministic" : "", opts, seed);
 }
 
+void PrintTo(const CaseSpec& spec, std::ostream* os) { *os << spec.describe(); }
+
 Case make_case(const CaseSpec& spec) {
   Case c;
   c.spec = spec;

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -93,6 +94,9 @@ struct Case {
 };
 
 Case make_case(const CaseSpec& spec);
+
+// gtest prints a test parameter through PrintTo, found by argument-dependent lookup.
+void PrintTo(const CaseSpec& spec, std::ostream* os);
 
 // Plans and runs the case on the CPU with an exactly-sized workspace; returns the plan.
 AttentionPlan plan_and_run(Case& c);

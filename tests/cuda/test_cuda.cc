@@ -14,10 +14,6 @@
 #include "testing/device_case.h"
 #include "testing/registry.h"
 
-namespace attnforge::testing {
-void PrintTo(const CaseSpec& spec, std::ostream* os) { *os << spec.describe(); }
-}  // namespace attnforge::testing
-
 using namespace attnforge;
 using namespace attnforge::testing;
 
