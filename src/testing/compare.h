@@ -1,6 +1,7 @@
 // Comparator: kernel output against the float64 reference, with a tolerance derived from the same-precision
-// naive computation: max |kernel - ref| <= 2 x max |naive - ref| + (4 fp32 rounding steps at the largest
-// reference magnitude). It reports the worst element, its index and both values, and requires NaN
+// naive computation (reference.h: float32 loops, V weighted by probabilities held in the 16-bit input type,
+// output rounded to its dtype): max |kernel - ref| <= 2 x max |naive - ref| + (4 fp32 rounding steps at the
+// largest reference magnitude). It reports the worst element, its index and both values, and requires NaN
 // and infinity positions to match exactly.
 #pragma once
 
