@@ -336,7 +336,8 @@ __device__ __forceinline__ float block_reduce_max(float x, float* scratch) {
 // kMergeChunk partial states are computed in parallel into shared memory, then each thread accumulates its
 // dimensions over them with independent loads (a serial chain of dependent loads per state was 11 us for 16
 // states: every one waited a full L2 round trip).
-__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const AttentionParams p) {
+// The minimum of one block per SM lifts the register cap ptxas otherwise chose (32, with a spill).
+__global__ void __launch_bounds__(kMergeThreads, 1) merge_kernel(const AttentionParams p) {
   __shared__ float s_w[kMergeChunk];
   __shared__ int64_t s_row[kMergeChunk];
   __shared__ float s_red[kMergeThreads / 32];
