@@ -1,6 +1,7 @@
-// CPU batch attention: one task = (work item, KV head, block of rows). The rows of a task are the query tokens
-// of the item times the query heads of the KV head's group, so every K/V row is converted to fp32 once and
-// used by all of them. Scores and the online softmax stay in fp32.
+// CPU batch attention: one task = (work item, a range of KV heads, a block of rows). The rows of a head are the
+// item's query tokens times the query heads of its group, so every K/V row is converted to fp32 once and used
+// by all of them; decode tasks span all KV heads so they stream through whole pages. Scores and the online
+// softmax stay in fp32.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
