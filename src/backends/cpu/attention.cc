@@ -12,6 +12,10 @@
 #include "backends/cpu/convert.h"
 #include "backends/cpu/kernels.h"
 #include "backends/cpu/simd.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include "backends/cpu/thread_pool.h"
 
 namespace attnforge::cpu {
@@ -108,6 +112,30 @@ inline void accumulate_pv(float* acc, const float* p, const float* v, int32_t n,
   if (c + kLanes <= d16) accumulate_pv_group<1>(acc + c, p, v + c, n, d16);
 }
 
+#if defined(__AVX512BF16__)
+// Scores straight from bf16 K rows with the AVX-512 BF16 dot product (pairs of bf16 products, exact, summed in
+// fp32): K is neither converted nor stored. q holds the row's raw bf16 values; the caller
+// scales the scores. Tokens past n read row n - 1 again (their scores are discarded).
+void score_row_bf16(const uint16_t* q, const uint16_t* k, const int64_t* k_rows, int32_t n, int32_t d,
+                    float* __restrict out) {
+  for (int32_t t = 0; t < n; t += 4) {
+    const uint16_t* k0 = k + k_rows[t];
+    const uint16_t* k1 = k + k_rows[t + 1];
+    const uint16_t* k2 = k + k_rows[t + 2];
+    const uint16_t* k3 = k + k_rows[t + 3];
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int32_t c = 0; c < d; c += 32) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + c);  // scratch rows are not 64-byte aligned
+      a0 = _mm512_dpbf16_ps(a0, qv, (__m512bh)_mm512_loadu_si512(k0 + c));
+      a1 = _mm512_dpbf16_ps(a1, qv, (__m512bh)_mm512_loadu_si512(k1 + c));
+      a2 = _mm512_dpbf16_ps(a2, qv, (__m512bh)_mm512_loadu_si512(k2 + c));
+      a3 = _mm512_dpbf16_ps(a3, qv, (__m512bh)_mm512_loadu_si512(k3 + c));
+    }
+    hsum16x4((F16x)a0, (F16x)a1, (F16x)a2, (F16x)a3, out + t);
+  }
+}
+#endif
+
 void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t head1, int32_t row0,
             int32_t row1, float* scratch) {
   const KVParams& kv = p.kv;
@@ -136,6 +164,12 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   }
 
   const bool rope = vp.rope.enabled != 0;
+#if defined(__AVX512BF16__)
+  // bf16 Q and K without RoPE: dot products on the raw bf16 values (see score_row_bf16).
+  const bool raw_bf16 = kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && !rope && dqk % 32 == 0;
+#else
+  const bool raw_bf16 = false;
+#endif
   if (rope)
     for (int32_t i = 0; i < vp.rope.rotary_dim / 2; ++i) freqs[i] = rope_frequency(vp.rope, i);
   const int32_t pos_offset = rope && vp.rope.pos_offset ? vp.rope.pos_offset[b] : 0;
@@ -148,10 +182,16 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
     head[r] = (head0 + r / per_head) * group + rr % group;
     qpos[r] = query_position(tok[r], qo_len, kv_len);
     float* qr = q + r * dqk16;
-    load_row(p.q, p.q_dtype, (qo_start + tok[r]) * p.q_stride_token + head[r] * p.q_stride_head, dqk, 1.f, qr);
-    if (rope) rope_rotate(vp.rope, freqs, qr, qpos[r] + pos_offset);
-    scale_row(qr, q_scale, dqk);
-    std::fill(qr + dqk, qr + dqk16, 0.f);
+    const int64_t q_offset = (qo_start + tok[r]) * p.q_stride_token + head[r] * p.q_stride_head;
+    if (raw_bf16) {
+      // The row's raw bf16 values, in the scratch row (scores are scaled by q_scale afterwards).
+      std::memcpy(qr, static_cast<const uint16_t*>(p.q) + q_offset, dqk * sizeof(uint16_t));
+    } else {
+      load_row(p.q, p.q_dtype, q_offset, dqk, 1.f, qr);
+      if (rope) rope_rotate(vp.rope, freqs, qr, qpos[r] + pos_offset);
+      scale_row(qr, q_scale, dqk);
+      std::fill(qr + dqk, qr + dqk16, 0.f);
+    }
     allowed_kv_range(vp, qpos[r], kv_len, &lo[r], &hi[r]);
     lo[r] = std::max(lo[r], it.kv_begin);
     hi[r] = std::max(lo[r], std::min(hi[r], it.kv_end));
@@ -197,18 +237,30 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
     if (j0 + kKVBlock < range_hi) prefetch_block(j0 + kKVBlock, buf ^ 1);
     for (int32_t kh = head0; kh < head1; ++kh) {
       const int32_t r_begin = (kh - head0) * per_head, r_end = r_begin + per_head;
-      for (int32_t t = 0; t < n; ++t) {
-        load_kv_row(kv.k, kv.dtype, k_base[buf][t] + kh * kv.k_stride_head, dqk, kb + t * dqk16);
-        if (rope) rope_rotate(vp.rope, freqs, kb + t * dqk16, j0 + t + pos_offset);
+      int64_t k_rows[kKVBlock];
+      if (raw_bf16) {
+        for (int32_t t = 0; t < n4; ++t) k_rows[t] = k_base[buf][std::min(t, n - 1)] + kh * kv.k_stride_head;
+      } else {
+        for (int32_t t = 0; t < n; ++t) {
+          load_kv_row(kv.k, kv.dtype, k_base[buf][t] + kh * kv.k_stride_head, dqk, kb + t * dqk16);
+          if (rope) rope_rotate(vp.rope, freqs, kb + t * dqk16, j0 + t + pos_offset);
+        }
+        for (int32_t t = n; t < n4; ++t) std::fill(kb + t * dqk16, kb + t * dqk16 + dqk, 0.f);
       }
-      for (int32_t t = n; t < n4; ++t) std::fill(kb + t * dqk16, kb + t * dqk16 + dqk, 0.f);
       bool any = false;
       for (int32_t r = r_begin; r < r_end; ++r) {
         float* sr = s + r * kKVBlock;
         const int32_t t_lo = std::max(lo[r] - j0, 0), t_hi = std::min(hi[r] - j0, n);
         active[r] = t_lo < t_hi;
         if (!active[r]) continue;
-        score_row(q + r * dqk16, kb, n4, dqk16, sr);
+#if defined(__AVX512BF16__)
+        if (raw_bf16) {
+          score_row_bf16(reinterpret_cast<const uint16_t*>(q + r * dqk16), static_cast<const uint16_t*>(kv.k), k_rows,
+                         n4, dqk, sr);
+          for (int32_t t = 0; t < kKVBlock; t += kLanes) store16(sr + t, load16(sr + t) * q_scale);
+        } else
+#endif
+          score_row(q + r * dqk16, kb, n4, dqk16, sr);
         if (t_lo == 0 && t_hi == kKVBlock && !transform && !vp.custom_mask) {
           // Whole block allowed and no per-logit work: the common case of decode.
         } else {
