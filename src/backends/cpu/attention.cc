@@ -134,6 +134,36 @@ void score_row_bf16(const uint16_t* q, const uint16_t* k, const int64_t* k_rows,
     hsum16x4((F16x)a0, (F16x)a1, (F16x)a2, (F16x)a3, out + t);
   }
 }
+
+// acc += P V over tokens [0, n) from raw bf16 V rows, two tokens per AVX-512 BF16 dot product: the rows of
+// tokens t and t + 1 are interleaved (unpack) so each fp32 lane sums v_t[d] p_t + v_t+1[d] p_t+1, with the
+// probability pair broadcast. The unpacks leave the dimensions in a fixed permuted order inside each 32-dim
+// chunk (see unpermute_row); the accumulators stay in that order until the row is written.
+void accumulate_pv_bf16(float* acc, const uint32_t* p_pairs, const uint16_t* v, const int64_t* v_rows, int32_t n,
+                        int32_t d) {
+  for (int32_t c = 0; c < d; c += 32) {
+    __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
+    for (int32_t t = 0; t < n; t += 2) {
+      const __m512i vt = _mm512_loadu_si512(v + v_rows[t] + c);
+      const __m512i vt1 = _mm512_loadu_si512(v + v_rows[t + 1 < n ? t + 1 : t] + c);  // its probability is 0
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pairs[t / 2]));
+      lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(vt, vt1), pp);
+      hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(vt, vt1), pp);
+    }
+    _mm512_storeu_ps(acc + c, lo);
+    _mm512_storeu_ps(acc + c + 16, hi);
+  }
+}
+
+// Back to natural order: within a 32-dim chunk, lane j of the low half holds dim 8 (j / 4) + j % 4 and lane j
+// of the high half dim 8 (j / 4) + 4 + j % 4 (unpack works inside 128-bit lanes).
+void unpermute_row(const float* permuted, float* out, int32_t d) {
+  for (int32_t c = 0; c < d; c += 32)
+    for (int32_t j = 0; j < 16; ++j) {
+      out[c + 8 * (j / 4) + j % 4] = permuted[c + j];
+      out[c + 8 * (j / 4) + 4 + j % 4] = permuted[c + 16 + j];
+    }
+}
 #endif
 
 void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t head1, int32_t row0,
@@ -167,8 +197,11 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
 #if defined(__AVX512BF16__)
   // bf16 Q and K without RoPE: dot products on the raw bf16 values (see score_row_bf16).
   const bool raw_bf16 = kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && !rope && dqk % 32 == 0;
+  // bf16 Q and V: P V on the raw values too, with probabilities rounded to bf16, the input precision (as
+  // tensor-core kernels hold them; the same-precision baseline of the tests rounds them likewise).
+  const bool raw_pv = kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && dvo % 32 == 0;
 #else
-  const bool raw_bf16 = false;
+  const bool raw_bf16 = false, raw_pv = false;
 #endif
   if (rope)
     for (int32_t i = 0; i < vp.rope.rotary_dim / 2; ++i) freqs[i] = rope_frequency(vp.rope, i);
@@ -295,6 +328,21 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
         any = true;
       }
       if (!any) continue;
+#if defined(__AVX512BF16__)
+      if (raw_pv) {
+        int64_t v_rows[kKVBlock];
+        for (int32_t t = 0; t < n; ++t) v_rows[t] = v_base[buf][t] + kh * kv.v_stride_head;
+        for (int32_t r = r_begin; r < r_end; ++r) {
+          if (!active[r]) continue;
+          const float* sr = s + r * kKVBlock;
+          uint32_t pairs[kKVBlock / 2];
+          for (int32_t t = 0; t < n; t += 2)
+            pairs[t / 2] = float_to_bf16(sr[t]) | static_cast<uint32_t>(t + 1 < n ? float_to_bf16(sr[t + 1]) : 0) << 16;
+          accumulate_pv_bf16(acc + r * dvo16, pairs, static_cast<const uint16_t*>(kv.v), v_rows, n, dvo);
+        }
+        continue;
+      }
+#endif
       for (int32_t t = 0; t < n; ++t)
         load_kv_row(kv.v, kv.dtype, v_base[buf][t] + kh * kv.v_stride_head, dvo, vb + t * dvo16);
       for (int32_t r = r_begin; r < r_end; ++r) {
@@ -308,6 +356,12 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
 
   for (int32_t r = 0; r < rows; ++r) {
     float* ar = acc + r * dvo16;
+#if defined(__AVX512BF16__)
+    if (raw_pv) {
+      unpermute_row(ar, kb, dvo);  // the K block buffer is free now
+      ar = kb;
+    }
+#endif
     scale_row(ar, l[r] > 0.f ? kv.v_scale / l[r] : 0.f, dvo);
     const float lse_nat = l[r] > 0.f ? m[r] + std::log(l[r]) : kNegInf;
     write_row(p, it, tok[r], head[r], ar, lse_nat);
