@@ -199,7 +199,9 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   const bool raw_bf16 = kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && !rope && dqk % 32 == 0;
   // bf16 Q and V: P V on the raw values too, with probabilities rounded to bf16, the input precision (as
   // tensor-core kernels hold them; the same-precision baseline of the tests rounds them likewise).
-  const bool raw_pv = kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && dvo % 32 == 0;
+  // Only for few rows per head (decode): each row repeats the interleaving of V, which a converted fp32 block
+  // shares across all rows of a prefill tile.
+  const bool raw_pv = kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && dvo % 32 == 0 && per_head <= 8;
 #else
   const bool raw_bf16 = false, raw_pv = false;
 #endif
