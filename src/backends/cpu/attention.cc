@@ -240,44 +240,26 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   }
 
   // Element offsets of each token of a block in K and V (head 0): one page lookup per token, shared by all
-  // heads of the task. Two buffers: the next block's offsets are computed with its prefetch.
-  int64_t k_base[2][kKVBlock], v_base[2][kKVBlock];
-  auto token_offsets = [&](int32_t first, int32_t buf) {
-    const int32_t last = std::min(range_hi, first + kKVBlock);
-    for (int32_t j = first; j < last; ++j) {
-      k_base[buf][j - first] = kv_k_offset(kv, b, j, 0);
-      v_base[buf][j - first] = kv_v_offset(kv, b, j, 0);
-    }
-  };
-  // The next block's rows are prefetched while this one is computed: pages are scattered, so the hardware
-  // prefetchers lose the stream at every page boundary.
-  const int64_t elem = dtype_bytes(kv.dtype);
-  auto prefetch_block = [&](int32_t first, int32_t buf) {
-    token_offsets(first, buf);
-    const int32_t last = std::min(range_hi, first + kKVBlock);
-    for (int32_t j = first; j < last; ++j)
-      for (int32_t h = head0; h < head1; ++h) {
-        const char* kr = static_cast<const char*>(kv.k) + (k_base[buf][j - first] + h * kv.k_stride_head) * elem;
-        const char* vr = static_cast<const char*>(kv.v) + (v_base[buf][j - first] + h * kv.v_stride_head) * elem;
-        for (int64_t o = 0; o < dqk * elem; o += 64) __builtin_prefetch(kr + o);
-        for (int64_t o = 0; o < dvo * elem; o += 64) __builtin_prefetch(vr + o);
-      }
-  };
-  if (range_lo < range_hi) prefetch_block(range_lo, 0);
+  // heads of the task. (Tasks read whole pages in address order, which the hardware prefetchers follow:
+  // software prefetching measured no gain once tasks spanned all KV heads.)
+  int64_t k_base[kKVBlock], v_base[kKVBlock];
 
   const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
-  for (int32_t j0 = range_lo, buf = 0; j0 < range_hi; j0 += kKVBlock, buf ^= 1) {
+  for (int32_t j0 = range_lo; j0 < range_hi; j0 += kKVBlock) {
     const int32_t n = std::min(kKVBlock, range_hi - j0);
     const int32_t n4 = (n + 3) / 4 * 4;  // score_row works in fours; the extra scores are discarded
-    if (j0 + kKVBlock < range_hi) prefetch_block(j0 + kKVBlock, buf ^ 1);
+    for (int32_t t = 0; t < n; ++t) {
+      k_base[t] = kv_k_offset(kv, b, j0 + t, 0);
+      v_base[t] = kv_v_offset(kv, b, j0 + t, 0);
+    }
     for (int32_t kh = head0; kh < head1; ++kh) {
       const int32_t r_begin = (kh - head0) * per_head, r_end = r_begin + per_head;
       int64_t k_rows[kKVBlock];
       if (raw_bf16) {
-        for (int32_t t = 0; t < n4; ++t) k_rows[t] = k_base[buf][std::min(t, n - 1)] + kh * kv.k_stride_head;
+        for (int32_t t = 0; t < n4; ++t) k_rows[t] = k_base[std::min(t, n - 1)] + kh * kv.k_stride_head;
       } else {
         for (int32_t t = 0; t < n; ++t) {
-          load_kv_row(kv.k, kv.dtype, k_base[buf][t] + kh * kv.k_stride_head, dqk, kb + t * dqk16);
+          load_kv_row(kv.k, kv.dtype, k_base[t] + kh * kv.k_stride_head, dqk, kb + t * dqk16);
           if (rope) rope_rotate(vp.rope, freqs, kb + t * dqk16, j0 + t + pos_offset);
         }
         for (int32_t t = n; t < n4; ++t) std::fill(kb + t * dqk16, kb + t * dqk16 + dqk, 0.f);
@@ -333,7 +315,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
 #if defined(__AVX512BF16__)
       if (raw_pv) {
         int64_t v_rows[kKVBlock];
-        for (int32_t t = 0; t < n; ++t) v_rows[t] = v_base[buf][t] + kh * kv.v_stride_head;
+        for (int32_t t = 0; t < n; ++t) v_rows[t] = v_base[t] + kh * kv.v_stride_head;
         for (int32_t r = r_begin; r < r_end; ++r) {
           if (!active[r]) continue;
           const float* sr = s + r * kKVBlock;
@@ -346,7 +328,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
       }
 #endif
       for (int32_t t = 0; t < n; ++t)
-        load_kv_row(kv.v, kv.dtype, v_base[buf][t] + kh * kv.v_stride_head, dvo, vb + t * dvo16);
+        load_kv_row(kv.v, kv.dtype, v_base[t] + kh * kv.v_stride_head, dvo, vb + t * dvo16);
       for (int32_t r = r_begin; r < r_end; ++r) {
         if (!active[r]) continue;
         const float* sr = s + r * kKVBlock;
