@@ -20,10 +20,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 // Returns the merged lse. Both empty: weights 0 and lse -inf.
 ATTNFORGE_HOST_DEVICE float merge_weights(float lse_a, float lse_b, float* w_a, float* w_b) {
   const float m = fmaxf(lse_a, lse_b);
-  if (m == -INFINITY) {
+  if (m == -ATTNFORGE_INFINITY) {
     *w_a = 0.f;
     *w_b = 0.f;
-    return -INFINITY;
+    return -ATTNFORGE_INFINITY;
   }
   const float ea = exp2f(lse_a - m), eb = exp2f(lse_b - m);
   const float sum = ea + eb;

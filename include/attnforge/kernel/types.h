@@ -31,6 +31,13 @@ using std::uint8_t;
 #define ATTNFORGE_HOST_DEVICE inline
 #endif
 
+// +infinity without <math.h>, which NVRTC does not have.
+#if defined(__CUDACC_RTC__)
+#define ATTNFORGE_INFINITY __int_as_float(0x7f800000)
+#else
+#define ATTNFORGE_INFINITY __builtin_huge_valf()
+#endif
+
 namespace attnforge {
 
 // Element types. Q/K/V/O take fp32, fp16 and bf16; K/V also take the two fp8 formats (with per-tensor scales).

@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
 
     float o_acc[D / 8][4];
     for (int n = 0; n < D / 8; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+    float m_run[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY}, l_run[2] = {0.f, 0.f};
 
     for (int s = 0; s < Tr::kStages - 1; ++s) {
       if (s < num_tiles) {
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
 
       // Scale, transform and mask; then the online softmax update per row (two rows per thread).
       const int tile_start = range_lo + t * Tr::kTileTokens + tok0;
-      float tile_max[2] = {-INFINITY, -INFINITY};
+      float tile_max[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY};
       // Interior tiles (every row allows all 16 tokens, no per-element transform or custom mask) skip the
       // per-element masking; the test is warp-uniform.
       const bool plain = !transform && !vp.custom_mask && tile_start >= max_lo && tile_start + 16 <= min_hi;
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
             else
               x *= scale_log2;
             if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, r_tok[h], j, kv_len);
-            x = allowed ? x : -INFINITY;
+            x = allowed ? x : -ATTNFORGE_INFINITY;
             s_acc[nt][e] = x;
             tile_max[h] = fmaxf(tile_max[h], x);
           }
@@ -226,14 +226,14 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
       float corr[2];
       for (int h = 0; h < 2; ++h) {
         const float m_new = fmaxf(m_run[h], warp_max_quad(tile_max[h]));
-        corr[h] = m_new == -INFINITY ? 1.f : exp2f(m_run[h] - m_new);
+        corr[h] = m_new == -ATTNFORGE_INFINITY ? 1.f : exp2f(m_run[h] - m_new);
         m_run[h] = m_new;
         l_run[h] *= corr[h];
       }
       for (int nt = 0; nt < 2; ++nt)
         for (int e = 0; e < 4; ++e) {
           const int h = e / 2;
-          const float pr = m_run[h] == -INFINITY ? 0.f : exp2f(s_acc[nt][e] - m_run[h]);
+          const float pr = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(s_acc[nt][e] - m_run[h]);
           s_acc[nt][e] = pr;
           l_run[h] += pr;
         }
@@ -274,9 +274,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
     __syncthreads();
     for (int h = 0; h < 2; ++h) {
       const int r = lane / 4 + 8 * h;
-      float m_all = -INFINITY;
+      float m_all = -ATTNFORGE_INFINITY;
       for (int w = 0; w < Tr::kWarps; ++w) m_all = fmaxf(m_all, s_m[w * Tr::kRows + r]);
-      const float f = m_run[h] == -INFINITY ? 0.f : exp2f(m_run[h] - m_all);
+      const float f = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(m_run[h] - m_all);
       for (int n = 0; n < D / 8; ++n) {
         const int col = n * 8 + 2 * (lane % 4);
         s_o[(warp * Tr::kRows + r) * Tr::kMergeStride + col] = o_acc[n][2 * h] * f;
@@ -287,15 +287,15 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
     for (int i = tid; i < Tr::kRows * D; i += Tr::kThreads) {
       const int r = i / D, d = i % D;
       if (r >= rows) continue;
-      float m_all = -INFINITY;
+      float m_all = -ATTNFORGE_INFINITY;
       for (int w = 0; w < Tr::kWarps; ++w) m_all = fmaxf(m_all, s_m[w * Tr::kRows + r]);
       float l_all = 0.f, o = 0.f;
       for (int w = 0; w < Tr::kWarps; ++w) {
         const float m_w = s_m[w * Tr::kRows + r];
-        if (m_w != -INFINITY) l_all += s_l[w * Tr::kRows + r] * exp2f(m_w - m_all);
+        if (m_w != -ATTNFORGE_INFINITY) l_all += s_l[w * Tr::kRows + r] * exp2f(m_w - m_all);
         o += s_o[(w * Tr::kRows + r) * Tr::kMergeStride + d];
       }
-      float lse = l_all > 0.f ? m_all + log2f(l_all) : -INFINITY;
+      float lse = l_all > 0.f ? m_all + log2f(l_all) : -ATTNFORGE_INFINITY;
       o = l_all > 0.f ? o * kv.v_scale / l_all : 0.f;
       const int rr = row0 + r;
       const int tok = it.qo_begin + rr / group, head = kv_head * group + rr % group;
@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_kernel(const Attention
     for (int tok = mi.qo_begin; tok < mi.qo_end; ++tok) {
       const WorkItem* items = plan.items + mi.first_item;
       const int row_offset = tok - mi.qo_begin;
-      float m = -INFINITY;
+      float m = -ATTNFORGE_INFINITY;
       for (int k = tid; k < mi.num_items; k += kMergeThreads) m = fmaxf(m, plan.partial_lse[(static_cast<int64_t>(items[k].partial_row) + row_offset) * p.num_qo_heads + h]);
       m = block_reduce_max(m, s_red);
       float l = 0.f, o0 = 0.f, o1 = 0.f;  // dims tid and tid + 128 (head_dim <= 256)
@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_kernel(const Attention
         for (int k = tid; k < n; k += kMergeThreads) {
           const int64_t row = static_cast<int64_t>(items[base + k].partial_row) + row_offset;
           const float lse_k = plan.partial_lse[row * p.num_qo_heads + h];
-          s_w[k] = m == -INFINITY || lse_k == -INFINITY ? 0.f : exp2f(lse_k - m);
+          s_w[k] = m == -ATTNFORGE_INFINITY || lse_k == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse_k - m);
           s_row[k] = (row * p.num_qo_heads + h) * dvo;
         }
         __syncthreads();
@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_kernel(const Attention
         }
         __syncthreads();
       }
-      float lse = l > 0.f ? m + log2f(l) : -INFINITY;
+      float lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
       const float inv = l > 0.f ? 1.f / l : 0.f;
       float f = inv;
       if (p.variant.sinks) {
