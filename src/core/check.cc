@@ -52,15 +52,20 @@ void expect_host(const TensorView& t, const char* name) {
     fail_arg("{}: is on {}; plan() reads metadata on the host, expected cpu memory", name, to_string(t.device));
 }
 
+void expect_int32_vector(const TensorView& t, const char* name, int64_t len, Device device) {
+  expect_defined(t, name);
+  expect_device(t, name, device);
+  expect_dtype(t, name, {DType::kInt32});
+  expect_ndim(t, name, 1, "[n]");
+  if (len >= 0 && t.shape[0] != len) fail_arg("{}: has {} elements; expected {}", name, t.shape[0], len);
+  if (t.shape[0] > 1 && t.strides[0] != 1)
+    fail_arg("{}: stride {}; expected a contiguous int32 vector", name, t.strides[0]);
+}
+
 std::span<const int32_t> host_int32(const TensorView& t, const char* name, int64_t expected_len) {
   expect_defined(t, name);
   expect_host(t, name);
-  expect_dtype(t, name, {DType::kInt32});
-  expect_ndim(t, name, 1, "[n]");
-  if (expected_len >= 0 && t.shape[0] != expected_len)
-    fail_arg("{}: has {} elements; expected {}", name, t.shape[0], expected_len);
-  if (t.shape[0] > 1 && t.strides[0] != 1)
-    fail_arg("{}: stride {}; expected a contiguous int32 vector", name, t.strides[0]);
+  expect_int32_vector(t, name, expected_len, Device::cpu());
   return {t.ptr<const int32_t>(), static_cast<size_t>(t.shape[0])};
 }
 

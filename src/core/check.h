@@ -34,6 +34,8 @@ void expect_device(const TensorView& t, const char* name, Device device);
 void expect_last_dim_contiguous(const TensorView& t, const char* name);
 // Non-negative strides that never let two distinct valid indices meet is not checked; only sanity.
 void expect_host(const TensorView& t, const char* name);
+// A contiguous int32 vector [len] on `device` (len < 0: any length).
+void expect_int32_vector(const TensorView& t, const char* name, int64_t len, Device device);
 // An int32 host vector [n] read as a span.
 std::span<const int32_t> host_int32(const TensorView& t, const char* name, int64_t expected_len);
 // Rejects outputs that overlap an input's memory range (run() must not read what it writes).

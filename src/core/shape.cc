@@ -78,6 +78,26 @@ size_t partial_state_bytes(int64_t rows, const AttentionShape& s) {
   return align256(o) + align256(lse);
 }
 
+KVParams paged_kv_params(const PagedKVCache& kv) {
+  const bool nhd = kv.layout == KVLayout::kNHD;
+  KVParams p{};
+  p.k = kv.k.data;
+  p.v = kv.v.data;
+  p.dtype = kv.k.dtype;
+  p.format = kv.table.format;
+  p.page_size = static_cast<int32_t>(kv.k.shape[nhd ? 1 : 2]);
+  p.num_kv_heads = static_cast<int32_t>(kv.k.shape[nhd ? 2 : 1]);
+  p.k_stride_page = kv.k.strides[0];
+  p.k_stride_token = kv.k.strides[nhd ? 1 : 2];
+  p.k_stride_head = kv.k.strides[nhd ? 2 : 1];
+  p.v_stride_page = kv.v.strides[0];
+  p.v_stride_token = kv.v.strides[nhd ? 1 : 2];
+  p.v_stride_head = kv.v.strides[nhd ? 2 : 1];
+  p.k_scale = kv.k_scale;
+  p.v_scale = kv.v_scale;
+  return p;
+}
+
 size_t plan_metadata_bytes(int64_t batch, int64_t item_capacity, int64_t merge_capacity) {
   return align256(sizeof(PlanView)) + align256((batch + 1) * sizeof(int32_t)) + align256(batch * sizeof(int32_t)) +
          align256(item_capacity * sizeof(WorkItem)) + align256(merge_capacity * sizeof(MergeItem));

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "attnforge/config.h"
+#include "attnforge/kv_cache.h"
 #include "attnforge/options.h"
 #include "attnforge/plan.h"
 
@@ -23,6 +24,10 @@ size_t partial_state_bytes(int64_t rows, const AttentionShape& s);
 // Bytes of the plan metadata a device backend keeps at the start of the workspace (PlanView, qo_indptr, kv_len,
 // items, merges; each region 256-byte aligned).
 size_t plan_metadata_bytes(int64_t batch, int64_t item_capacity, int64_t merge_capacity);
+
+// K/V pointers, dtype, format, page size, heads, strides (by layout) and scales of a paged cache whose views
+// were validated; page ids and indptr are left to the caller.
+KVParams paged_kv_params(const PagedKVCache& kv);
 
 // Validated RoPE parameters (rotary_dim resolved against head_dim); pos_offset is left to the caller.
 RopeParams rope_params(const RopeOptions& r, int32_t head_dim);

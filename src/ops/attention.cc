@@ -18,21 +18,13 @@ using detail::expect_defined;
 using detail::expect_device;
 using detail::expect_dim;
 using detail::expect_dtype;
+using detail::expect_int32_vector;
 using detail::expect_last_dim_contiguous;
 using detail::expect_ndim;
 using detail::fail;
 using detail::fail_arg;
 
 bool on_host(const TensorView& t) { return t.device.type == DeviceType::kCPU; }
-
-void expect_int32_vector(const TensorView& t, const char* name, int64_t len, Device dev) {
-  expect_defined(t, name);
-  expect_device(t, name, dev);
-  expect_dtype(t, name, {DType::kInt32});
-  expect_ndim(t, name, 1, "[n]");
-  if (len >= 0 && t.shape[0] != len) fail_arg("{}: has {} elements; expected {}", name, t.shape[0], len);
-  if (t.shape[0] > 1 && t.strides[0] != 1) fail_arg("{}: stride {}; expected a contiguous int32 vector", name, t.strides[0]);
-}
 
 void expect_head_vector(const TensorView& t, const char* name, int32_t heads, Device dev) {
   expect_device(t, name, dev);
@@ -89,21 +81,7 @@ KVParams paged_params(const AttentionPlan& plan, const PagedKVCache& kv) {
     fail(ErrorKind::kPlanMismatch, "kv.table: format {}; the plan was made for {}", to_string(t.format),
          to_string(plan.kv_format));
   const int64_t batch = plan.batch_size;
-  KVParams p{};
-  p.k = kv.k.data;
-  p.v = kv.v.data;
-  p.dtype = s.kv_dtype;
-  p.format = t.format;
-  p.page_size = plan.page_size;
-  p.num_kv_heads = s.num_kv_heads;
-  p.k_stride_page = kv.k.strides[0];
-  p.k_stride_token = kv.k.strides[nhd ? 1 : 2];
-  p.k_stride_head = kv.k.strides[nhd ? 2 : 1];
-  p.v_stride_page = kv.v.strides[0];
-  p.v_stride_token = kv.v.strides[nhd ? 1 : 2];
-  p.v_stride_head = kv.v.strides[nhd ? 2 : 1];
-  p.k_scale = kv.k_scale;
-  p.v_scale = kv.v_scale;
+  KVParams p = detail::paged_kv_params(kv);  // dims were checked against the plan above
 
   if (t.format == KVFormat::kPagedCSR) {
     if (t.indptr.defined() && t.indptr.ndim == 1 && t.indptr.shape[0] != batch + 1)

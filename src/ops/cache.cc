@@ -24,15 +24,6 @@ void expect_rows(const TensorView& t, const char* name, Device dev, int64_t n, i
   expect_last_dim_contiguous(t, name);
 }
 
-void expect_index_vector(const TensorView& t, const char* name, Device dev, int64_t n) {
-  expect_defined(t, name);
-  expect_device(t, name, dev);
-  expect_dtype(t, name, {DType::kInt32});
-  expect_ndim(t, name, 1, "[n]");
-  if (n >= 0 && t.shape[0] != n) fail_arg("{}: has {} elements; expected {}", name, t.shape[0], n);
-  if (t.shape[0] > 1 && t.strides[0] != 1) fail_arg("{}: stride {}; expected a contiguous int32 vector", name, t.strides[0]);
-}
-
 RopeApplyParams rope_common(const TensorView& q, const TensorView& k, const TensorView& q_out, const TensorView& k_out,
                             const RopeOptions& rope) {
   expect_defined(q, "q");
@@ -92,8 +83,8 @@ void append_paged_kv_cache(const TensorView& append_k, const TensorView& append_
   expect_rows(append_k, "append_k", dev, -1, heads, cache.k.shape[3], src_types);
   const int64_t nnz = append_k.shape[0];
   expect_rows(append_v, "append_v", dev, nnz, heads, cache.v.shape[3], {append_k.dtype});
-  expect_index_vector(batch_indices, "batch_indices", dev, nnz);
-  expect_index_vector(positions, "positions", dev, nnz);
+  expect_int32_vector(batch_indices, "batch_indices", nnz, dev);
+  expect_int32_vector(positions, "positions", nnz, dev);
   for (auto [scale, name] : {std::pair{cache.k_scale, "cache.k_scale"}, std::pair{cache.v_scale, "cache.v_scale"}})
     if (!std::isfinite(scale) || scale <= 0.f) fail_arg("{}: {}; expected a finite value > 0", name, scale);
   for (auto [out, name] : {std::pair{&cache.k, "cache.k"}, std::pair{&cache.v, "cache.v"}}) {
@@ -113,30 +104,17 @@ void append_paged_kv_cache(const TensorView& append_k, const TensorView& append_
   p.num_kv_heads = heads;
   p.head_dim_qk = static_cast<int32_t>(cache.k.shape[3]);
   p.head_dim_vo = static_cast<int32_t>(cache.v.shape[3]);
+  p.cache = paged_kv_params(cache);
   KVParams& c = p.cache;
-  c.k = cache.k.data;
-  c.v = cache.v.data;
-  c.dtype = cache.k.dtype;
-  c.format = cache.table.format;
-  c.page_size = page_size;
-  c.num_kv_heads = heads;
-  c.k_stride_page = cache.k.strides[0];
-  c.k_stride_token = cache.k.strides[nhd ? 1 : 2];
-  c.k_stride_head = cache.k.strides[nhd ? 2 : 1];
-  c.v_stride_page = cache.v.strides[0];
-  c.v_stride_token = cache.v.strides[nhd ? 1 : 2];
-  c.v_stride_head = cache.v.strides[nhd ? 2 : 1];
-  c.k_scale = cache.k_scale;
-  c.v_scale = cache.v_scale;
 
   const PageTable& t = cache.table;
   int64_t batch = 0;
   if (t.format == KVFormat::kPagedCSR) {
-    expect_index_vector(t.indptr, "cache.table.indptr", dev, -1);
+    expect_int32_vector(t.indptr, "cache.table.indptr", -1, dev);
     batch = t.indptr.shape[0] - 1;
     if (batch < 0) fail_arg("cache.table.indptr: has 0 elements; expected batch + 1 >= 1");
-    expect_index_vector(t.indices, "cache.table.indices", dev, -1);
-    expect_index_vector(t.last_page_len, "cache.table.last_page_len", dev, batch);
+    expect_int32_vector(t.indices, "cache.table.indices", -1, dev);
+    expect_int32_vector(t.last_page_len, "cache.table.last_page_len", batch, dev);
     c.page_ids = t.indices.ptr<const int32_t>();
     c.page_list_indptr = t.indptr.ptr<const int32_t>();
   } else if (t.format == KVFormat::kBlockTable) {
@@ -147,7 +125,7 @@ void append_paged_kv_cache(const TensorView& append_k, const TensorView& append_
     if (t.block_table.shape[1] > 1 && t.block_table.strides[1] != 1)
       fail_arg("cache.table.block_table: column stride {}; expected 1", t.block_table.strides[1]);
     batch = t.block_table.shape[0];
-    expect_index_vector(t.seq_lens, "cache.table.seq_lens", dev, batch);
+    expect_int32_vector(t.seq_lens, "cache.table.seq_lens", batch, dev);
     c.page_ids = t.block_table.ptr<const int32_t>();
     c.page_list_stride = t.block_table.strides[0];
   } else {
@@ -202,10 +180,10 @@ void apply_rope(const TensorView& q, const TensorView& k, const TensorView& q_ou
                 const TensorView& indptr, const TensorView& offsets, const RopeOptions& rope, Stream stream) {
   RopeApplyParams p = rope_common(q, k, q_out, k_out, rope);
   const Device dev = q.device;
-  expect_index_vector(indptr, "indptr", dev, -1);
+  expect_int32_vector(indptr, "indptr", -1, dev);
   const int64_t batch = indptr.shape[0] - 1;
   if (batch < 0) fail_arg("indptr: has 0 elements; expected batch + 1 >= 1");
-  expect_index_vector(offsets, "offsets", dev, batch);
+  expect_int32_vector(offsets, "offsets", batch, dev);
   if (dev.type == DeviceType::kCPU) {
     const int32_t* ip = indptr.ptr<const int32_t>();
     check_indptr({ip, static_cast<size_t>(batch + 1)}, "indptr");
@@ -220,7 +198,7 @@ void apply_rope(const TensorView& q, const TensorView& k, const TensorView& q_ou
 void apply_rope_pos_ids(const TensorView& q, const TensorView& k, const TensorView& q_out, const TensorView& k_out,
                         const TensorView& pos_ids, const RopeOptions& rope, Stream stream) {
   RopeApplyParams p = rope_common(q, k, q_out, k_out, rope);
-  expect_index_vector(pos_ids, "pos_ids", q.device, p.nnz);
+  expect_int32_vector(pos_ids, "pos_ids", p.nnz, q.device);
   p.pos_ids = pos_ids.ptr<const int32_t>();
   backend_for(q.device).rope(p, stream);
 }
