@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Peers on the shapes attnforge's own benchmark just ran, in the same run on the same GPU.
 
-Reads the JSON that `attnforge bench --json` wrote (each decode record carries its shape), times PyTorch SDPA
-(flash, efficient and cuDNN backends, on dense KV padded to the longest request, which is what SDPA users do)
-and FlexAttention under torch.compile on the same shapes, and writes records in the same format:
-suite, case, system, device, median_us, gbps (KV bytes of the real tokens over the median time).
+Reads the JSON that `attnforge bench --json` wrote (each record carries its shape), times PyTorch SDPA (flash,
+efficient and cuDNN backends, on dense Q/KV padded to the longest request, which is what SDPA users do) and
+FlexAttention under torch.compile on the same shapes, and writes records in the same format: suite, case,
+system, device, median_us, gbps (KV bytes of the real tokens over the median time) and, for prefill, tflops
+(attnforge's count of the attended pairs' FLOPs over the median time, so the ratio is a ratio of times).
 Timing: CUDA events around each call, warm-up first, median of many calls, inputs rotated so that the set of
 buffers exceeds the L2 cache several times over.
 """
@@ -51,7 +52,7 @@ def main():
         import torch._dynamo as dynamo  # an alias: a plain `import torch._dynamo` here would make torch local
         dynamo.config.recompile_limit = 1000
         dynamo.config.cache_size_limit = 1000
-        from torch.nn.attention.flex_attention import flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
     except Exception as ex:  # noqa: BLE001
         flex = None
@@ -65,12 +66,15 @@ def main():
     seen = set()
     for r in records:
         shape = r.get("shape")
-        if r.get("system") != "attnforge" or r.get("suite") != "decode" or not shape or r["case"] in seen:
+        if r.get("system") != "attnforge" or r.get("suite") not in ("decode", "prefill") or not shape or r["case"] in seen:
             continue
         seen.add(r["case"])
+        suite = r["suite"]
         kv_lens = shape["kv_lens"]
         batch, hq, hkv, d = len(kv_lens), shape["num_qo_heads"], shape["num_kv_heads"], shape["head_dim"]
-        qo = shape.get("qo_len", 1)
+        qo_lens = shape.get("qo_lens") or [shape.get("qo_len", 1)] * batch
+        qo = max(qo_lens)
+        flops = r.get("flops", 0.0)
         causal = shape.get("causal", False)
         if shape.get("kv_dtype") != "bfloat16":
             continue
@@ -80,31 +84,47 @@ def main():
         qs = [torch.randn(batch, hq, qo, d, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
         ks = [torch.randn(batch, hkv, lmax, d, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
         vs = [torch.randn(batch, hkv, lmax, d, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
-        mask = None
-        if causal and qo > 1 and causal_lower_right is not None:
-            mask = causal_lower_right(qo, lmax)
+        mask, is_causal = None, False
+        if causal and qo > 1:
+            if qo == lmax:
+                is_causal = True  # square: SDPA's own causal path, which every backend takes
+            elif causal_lower_right is not None:
+                mask = causal_lower_right(qo, lmax)
 
         def add(system, us, note=""):
-            rec = dict(suite="decode", case=r["case"], system=system, device=r.get("device", "cuda:0"),
+            rec = dict(suite=suite, case=r["case"], system=system, device=r.get("device", "cuda:0"),
                        median_us=us, gbps=kv_bytes / (us * 1e3), iters=40)
+            if flops:
+                rec["tflops"] = flops / (us * 1e6)
             if note:
                 rec["note"] = note
             out.append(rec)
-            print(f"{r['case']:34s} {system:16s} {us:10.1f} us {kv_bytes / (us * 1e3) / 1e3:6.2f} TB/s", flush=True)
+            rate = f"{flops / (us * 1e6):7.1f} TFLOP/s" if suite == "prefill" else f"{kv_bytes / (us * 1e3) / 1e3:6.2f} TB/s"
+            print(f"{r['case']:34s} {system:16s} {us:10.1f} us {rate}", flush=True)
 
-        note = "dense KV padded to the longest request" if min(kv_lens) != lmax else ""
-        if causal and qo > 1 and mask is None:
+        note = "dense KV padded to the longest request" if min(kv_lens) != lmax or min(qo_lens) != qo else ""
+        if causal and qo > 1 and mask is None and not is_causal:
             note = (note + "; " if note else "") + "no causal mask (causal_lower_right unavailable)"
         for name, be in backends.items():
             try:
                 with torch.nn.attention.sdpa_kernel(be):
-                    fn = lambda i: F.scaled_dot_product_attention(qs[i], ks[i], vs[i], attn_mask=mask, enable_gqa=True)
+                    fn = lambda i: F.scaled_dot_product_attention(qs[i], ks[i], vs[i], attn_mask=mask,
+                                                                  is_causal=is_causal, enable_gqa=True)
                     add(name, bench(fn, copies), note)
             except Exception as ex:  # noqa: BLE001
                 print(f"peers: {name} on {r['case']} failed: {type(ex).__name__}: {str(ex)[:160]}", file=sys.stderr)
-        if flex is not None and mask is None:
+        if flex is not None:
             try:
-                add("flex(compiled)", bench(lambda i: flex(qs[i], ks[i], vs[i], enable_gqa=True), copies), note)
+                block_mask = None
+                if causal and qo > 1:
+                    offset = lmax - qo  # bottom-right aligned, as attnforge and causal_lower_right
+
+                    def causal_mod(b, h, q_idx, kv_idx):
+                        return kv_idx <= q_idx + offset
+
+                    block_mask = create_block_mask(causal_mod, None, None, qo, lmax, device=dev)
+                add("flex(compiled)",
+                    bench(lambda i: flex(qs[i], ks[i], vs[i], block_mask=block_mask, enable_gqa=True), copies), note)
             except Exception as ex:  # noqa: BLE001
                 print(f"peers: flex on {r['case']} failed: {type(ex).__name__}: {str(ex)[:160]}", file=sys.stderr)
         qs = ks = vs = None  # free the copies before the next shape

@@ -14,8 +14,11 @@ def main():
     header = [r for r in ours if r.get("system") == "ceiling"]
     lines = []
     for c in header:
-        unit = "GB/s" if "gbps" in c else "GFLOP/s"
-        lines.append(f"- ceiling {c['case']}: {c.get('gbps', c.get('gflops')):.0f} {unit}")
+        if "tflops" in c:
+            lines.append(f"- ceiling {c['case']}: {c['tflops']:.0f} TFLOP/s")
+        else:
+            unit = "GB/s" if "gbps" in c else "GFLOP/s"
+            lines.append(f"- ceiling {c['case']}: {c.get('gbps', c.get('gflops')):.0f} {unit}")
     by_case = {}
     for p in peers:
         by_case.setdefault(p["case"], {})[p["system"]] = p
@@ -27,7 +30,8 @@ def main():
     for r in ours:
         if r.get("system") != "attnforge":
             continue
-        rate = r.get("gbps", r.get("gflops", 0)) / 1e3
+        # decode: TB/s of K/V; prefill: TFLOP/s; the CPU suite: GB/s or GFLOP/s, shown in thousands
+        rate = r["tflops"] if r.get("suite") == "prefill" and "tflops" in r else r.get("gbps", r.get("gflops", 0)) / 1e3
         ratios = []
         for s in systems:
             p = by_case.get(r["case"], {}).get(s)

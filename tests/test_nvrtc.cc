@@ -1,5 +1,5 @@
 // The device headers compile under NVRTC, with no toolkit header and only the project's include folders: the
-// decode and merge kernels for sm_80 and sm_90a, as the run-time compiler will build them. Needs NVRTC, not a
+// decode, prefill and merge kernels for sm_80 and sm_90a, as the run-time compiler will build them. Needs NVRTC, not a
 // GPU, so it runs in CI.
 #include <gtest/gtest.h>
 #include <nvrtc.h>
@@ -15,7 +15,9 @@ struct Compiled {
 };
 
 Compiled compile(const std::string& arch, const std::vector<std::string>& kernels) {
-  const std::string source = "#include \"backends/cuda/decode/decode_kernel.cuh\"\n";
+  const std::string source =
+      "#include \"backends/cuda/decode/decode_kernel.cuh\"\n#include \"backends/cuda/merge/merge_kernel.cuh\"\n"
+      "#include \"backends/cuda/prefill/prefill_kernel.cuh\"\n";
   nvrtcProgram prog;
   if (nvrtcCreateProgram(&prog, source.c_str(), "decode.cu", 0, nullptr, nullptr) != NVRTC_SUCCESS)
     return {false, "nvrtcCreateProgram failed"};
@@ -38,12 +40,15 @@ Compiled compile(const std::string& arch, const std::vector<std::string>& kernel
   return {r == NVRTC_SUCCESS && named, std::string(nvrtcGetErrorString(r)) + "\n" + log};
 }
 
-TEST(Nvrtc, DecodeAndMergeKernelsCompile) {
+TEST(Nvrtc, DecodePrefillAndMergeKernelsCompile) {
   const std::vector<std::string> kernels = {
       "&attnforge::cuda::decode_kernel<attnforge::cuda::DecodeTraits<64, attnforge::cuda::F16>>",
       "&attnforge::cuda::decode_kernel<attnforge::cuda::DecodeTraits<128, attnforge::cuda::Bf16>>",
       "&attnforge::cuda::decode_kernel<attnforge::cuda::DecodeTraits<256, attnforge::cuda::Bf16>>",
       "&attnforge::cuda::merge_kernel",
+      "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<64, attnforge::cuda::Bf16>>",
+      "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<128, attnforge::cuda::F16>>",
+      "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<256, attnforge::cuda::Bf16>>",
   };
   for (const char* arch : {"sm_80", "sm_90a"}) {
     const Compiled c = compile(arch, kernels);

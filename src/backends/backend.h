@@ -5,6 +5,7 @@
 #include "attnforge/config.h"
 #include "attnforge/kernel/op_params.h"
 #include "attnforge/ops.h"
+#include "attnforge/plan.h"
 
 namespace attnforge::detail {
 
@@ -14,8 +15,8 @@ class Backend {
   virtual const char* name() const = 0;
   // Whether this backend runs `config`, and if not, why.
   virtual Support check(const AttentionConfig& config) const = 0;
-  // Parallel workers plan() balances over for this shape (CPU threads; SMs x resident CTAs).
-  virtual int32_t num_workers(const AttentionShape& shape) const = 0;
+  // Parallel workers plan() balances over for this shape and kind of plan (CPU threads; SMs x resident CTAs).
+  virtual int32_t num_workers(const AttentionShape& shape, PlanKind kind) const = 0;
   // Shortest KV piece worth splitting off: below it a split's partial-state write and merge cost more than the
   // parallelism gains.
   virtual int32_t min_split_tokens() const { return 256; }
@@ -23,14 +24,15 @@ class Backend {
   // device whose under-filled batches should become exactly one wave of work (a GPU's resident CTAs).
   virtual int32_t split_waves() const { return 2; }
   // Rows (query tokens x heads of a group) a prefill item should hold.
-  virtual int32_t target_tile_rows() const = 0;
+  virtual int32_t target_tile_rows(const AttentionShape& shape) const = 0;
   // Whether kernels read the plan from the workspace (device memory) rather than from the plan object.
   virtual bool plan_in_device_memory() const { return false; }
   // Copies host bytes to device memory, asynchronously on `stream` (device backends only).
   virtual void copy_to_device(void* dst, const void* src, size_t bytes, Stream stream) {
     (void)dst, (void)src, (void)bytes, (void)stream;
   }
-  virtual void attention(const AttentionParams& params, Stream stream) = 0;
+  // Runs a planned batch; `kind` picks the kernel family (decode or prefill) the plan was cut for.
+  virtual void attention(const AttentionParams& params, PlanKind kind, Stream stream) = 0;
   virtual void merge_states(const MergeStatesParams& params, Stream stream) = 0;
   virtual void append_kv(const AppendKVParams& params, Stream stream) = 0;
   virtual void rope(const RopeApplyParams& params, Stream stream) = 0;

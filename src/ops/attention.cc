@@ -376,7 +376,7 @@ void launch(const AttentionPlan& plan, const TensorView& q, const KVParams& kv, 
     host_view.merges = plan.merges.data();
     p.plan = &host_view;
   }
-  backend.attention(p, stream);
+  backend.attention(p, plan.kind, stream);
 }
 
 // A [kv_len, heads, dim] view of a single request's K or V given in either layout.

@@ -126,7 +126,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
   const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
   plan.qo_tile = kind == PlanKind::kDecode
                      ? std::max(1, max_qo)
-                     : planner::choose_qo_tile(group, std::max(1, max_qo), backend.target_tile_rows());
+                     : planner::choose_qo_tile(group, std::max(1, max_qo), backend.target_tile_rows(shape));
 
   // Query tiles and the KV each one reads (causal: up to the last row's diagonal).
   struct Tile {
@@ -146,7 +146,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     }
   }
 
-  const int32_t workers = a.options.num_workers > 0 ? a.options.num_workers : backend.num_workers(shape);
+  const int32_t workers = a.options.num_workers > 0 ? a.options.num_workers : backend.num_workers(shape, kind);
   planner::SplitInput in;
   in.num_tiles = static_cast<int64_t>(tiles.size());
   in.num_kv_heads = shape.num_kv_heads;

@@ -112,6 +112,60 @@ TEST(CudaLarge, ServingShapes) {
   }
 }
 
+// Prefill at serving sizes: a 32K causal prefill, a batch of 64 ragged requests, append to a paged prefix with
+// page size 1, head dims 64 and 256, GQA group 3 (tiles of 42 tokens); rows sampled for the float64 reference.
+TEST(CudaLarge, PrefillShapes) {
+  auto base = [](std::vector<int32_t> qo, std::vector<int32_t> kv, int32_t d = 128) {
+    CaseSpec s;
+    s.kind = PlanKind::kPrefill;
+    s.num_qo_heads = 32, s.num_kv_heads = 8, s.head_dim_qk = d;
+    s.qo_lens = std::move(qo);
+    s.kv_lens = std::move(kv);
+    s.options.causal = true;
+    s.spare_pages = 9;
+    return s;
+  };
+  std::vector<CaseSpec> specs = {base({32768}, {32768})};
+  std::mt19937 rng(3);
+  std::vector<int32_t> ragged(64);
+  for (int32_t& l : ragged) l = 1 + static_cast<int32_t>(rng() % 1500);
+  CaseSpec r = base(ragged, ragged);
+  r.format = KVFormat::kRagged;
+  specs.push_back(r);
+  CaseSpec append = base(std::vector<int32_t>(8, 300), std::vector<int32_t>(8, 2300));
+  append.page_size = 1;
+  specs.push_back(append);
+  specs.push_back(base({700, 2000}, {900, 2000}, 64));
+  specs.push_back(base({700, 2000}, {900, 2000}, 256));
+  CaseSpec g3 = base({999, 130}, {1500, 130});
+  g3.num_qo_heads = 24;
+  g3.options.causal = false;
+  g3.layout = KVLayout::kHND;
+  specs.push_back(g3);
+  uint64_t seed = 177;
+  for (CaseSpec& s : specs) {
+    s.seed = seed++;
+    const std::string error = run_and_check(s, 24);
+    EXPECT_TRUE(error.empty()) << error;
+  }
+}
+
+// A small prefill batch touching every path of the prefill kernel (several row blocks and items, split KV with
+// merges, causal diagonal tiles, a partial last page, an empty request); compute-sanitizer runs this one.
+TEST(CudaPrefillSmall, SplitCausalPaged) {
+  CaseSpec s;
+  s.kind = PlanKind::kPrefill;
+  s.num_qo_heads = 6, s.num_kv_heads = 2, s.head_dim_qk = 64, s.page_size = 3;
+  s.qo_lens = {45, 0, 130};
+  s.kv_lens = {300, 9, 130};
+  s.options.causal = true;
+  s.plan.num_workers = 64;
+  s.spare_pages = 5;
+  s.seed = 41;
+  const std::string error = run_and_check(s);
+  EXPECT_TRUE(error.empty()) << error;
+}
+
 // Random batches restricted to what the CUDA backend runs; a failure prints the reproducing command.
 TEST(CudaFuzz, RandomBatches) {
   const uint64_t first = std::getenv("ATTNFORGE_FUZZ_SEED") ? std::strtoull(std::getenv("ATTNFORGE_FUZZ_SEED"), nullptr, 10) : 1;
@@ -119,10 +173,10 @@ TEST(CudaFuzz, RandomBatches) {
   int ran = 0;
   for (uint64_t seed = first; seed < first + iters; ++seed) {
     CaseSpec s = random_spec(seed);
-    // Fold the draw onto the CUDA decode subset: decode, 16-bit Q = K/V, head dims 64/128/256, no RoPE.
+    // Fold the draw onto the CUDA subset: decode or prefill, 16-bit Q = K/V, head dims 64/128/256, no RoPE.
     std::mt19937 rng(seed);
-    s.kind = PlanKind::kDecode;
-    for (int32_t& q : s.qo_lens) q = std::min(q, 8);
+    if (s.kind == PlanKind::kDecode)
+      for (int32_t& q : s.qo_lens) q = std::min(q, 8);
     if (s.options.causal)
       for (size_t i = 0; i < s.qo_lens.size(); ++i) s.kv_lens[i] = std::max(s.kv_lens[i], s.qo_lens[i]);
     if (s.q_dtype == DType::kFloat32) s.q_dtype = DType::kBFloat16;
@@ -193,13 +247,15 @@ TEST(CudaDeterminism, SameBitsWhateverTheBatch) {
   EXPECT_EQ(0, std::memcmp(in_batch.data(), c.out_view.data, row_bytes)) << "request 0 differs alone vs in a batch";
 }
 
-// A graph captured once replays correctly after a re-plan for longer sequences of the same batch size.
-TEST(CudaGraph, CaptureReplanReplay) {
+// A graph captured once replays correctly after a re-plan for longer sequences of the same batch size
+// (decode; prefill with the same query lengths over longer prefixes).
+void capture_replan_replay(PlanKind kind) {
   CaseSpec s;
-  s.kind = PlanKind::kDecode;
+  s.kind = kind;
   s.format = KVFormat::kBlockTable;
   s.num_qo_heads = 32, s.num_kv_heads = 8, s.head_dim_qk = 128;
-  s.qo_lens.assign(6, 1);
+  s.qo_lens = kind == PlanKind::kDecode ? std::vector<int32_t>(6, 1) : std::vector<int32_t>{50, 3, 64, 20, 1, 77};
+  s.options.causal = kind == PlanKind::kPrefill;
   s.kv_lens = {3000, 17, 800, 4096, 1, 2500};
   s.options.sinks = true;
   s.seed = 11;
@@ -213,7 +269,7 @@ TEST(CudaGraph, CaptureReplanReplay) {
     dev.upload(full.seq_lens);
     BatchPlanArgs args = full.plan_args();
     args.device = Device::cuda(0);
-    return plan_batch_decode(args);
+    return kind == PlanKind::kDecode ? plan_batch_decode(args) : plan_batch_prefill(args);
   };
   AttentionPlan plan = plan_for(short_lens);
   void* ws = nullptr;
@@ -262,5 +318,8 @@ TEST(CudaGraph, CaptureReplanReplay) {
   cudaFree(ws);
   cudaFreeHost(staging);
 }
+
+TEST(CudaGraph, CaptureReplanReplayDecode) { capture_replan_replay(PlanKind::kDecode); }
+TEST(CudaGraph, CaptureReplanReplayPrefill) { capture_replan_replay(PlanKind::kPrefill); }
 
 }  // namespace

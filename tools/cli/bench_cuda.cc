@@ -1,9 +1,14 @@
-// `attnforge bench --device cuda:N`: the decode suite on a GPU, timed with CUDA events (warm-up, median of many
-// runs, inputs rotated so that they exceed the L2 cache several times over), reported as TB/s of K/V read next to
-// the device-to-device copy bandwidth measured in the same run. Every case is checked against the float64
-// reference (sampled rows) before it is timed. bench/peers.py reads the JSON and times PyTorch on the same shapes.
+// `attnforge bench --device cuda:N`: the decode and prefill suites on a GPU, timed with CUDA events (warm-up,
+// median of many runs, inputs rotated so that they exceed the L2 cache several times over). Decode is reported
+// as TB/s of K/V read next to the device-to-device copy bandwidth, prefill as TFLOP/s (attended pairs only:
+// causal counts about half of full attention) next to the bf16 matrix-product rate of cuBLAS, both ceilings
+// measured in the same run. Every case is checked against the float64 reference (sampled rows) before it is
+// timed. bench/peers.py reads the JSON and times PyTorch on the same shapes.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
+#if ATTNFORGE_WITH_CUBLAS
+#include <cublas_v2.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -78,10 +83,51 @@ std::vector<GpuBenchCase> gpu_suite(bool quick) {
   return v;
 }
 
+testing::CaseSpec gpu_prefill(std::vector<int32_t> qo, std::vector<int32_t> kv, bool causal, int32_t head_dim = 128,
+                              int32_t page_size = 16) {
+  testing::CaseSpec s = decode_spec(std::move(kv));
+  s.kind = PlanKind::kPrefill;
+  s.qo_lens = std::move(qo);
+  s.options.causal = causal;
+  s.head_dim_qk = head_dim;
+  s.page_size = page_size;
+  s.spare_pages = 64;
+  return s;
+}
+
+// The issue-4 targets: bf16, 32 query heads over 8 KV heads.
+std::vector<GpuBenchCase> gpu_prefill_suite(bool quick) {
+  std::vector<GpuBenchCase> v;
+  auto square = [](int32_t batch, int32_t len) { return std::vector<int32_t>(batch, len); };
+  if (quick) {
+    v.push_back({"prefill 1x4096 causal", gpu_prefill(square(1, 4096), square(1, 4096), true)});
+    return v;
+  }
+  v.push_back({"prefill 4x8192 causal", gpu_prefill(square(4, 8192), square(4, 8192), true)});
+  v.push_back({"prefill 1x16384 causal", gpu_prefill(square(1, 16384), square(1, 16384), true)});
+  v.push_back({"prefill 1x8192 full", gpu_prefill(square(1, 8192), square(1, 8192), false)});
+  v.push_back({"prefill 2x8192 causal d64", gpu_prefill(square(2, 8192), square(2, 8192), true, 64)});
+  v.push_back({"prefill 2x8192 causal d256", gpu_prefill(square(2, 8192), square(2, 8192), true, 256)});
+  v.push_back({"append 64x512+4096", gpu_prefill(square(64, 512), square(64, 4608), true)});
+  v.push_back({"append 64x512+4096 page1", gpu_prefill(square(64, 512), square(64, 4608), true, 128, 1)});
+  // Ragged: 16 requests of lengths uniform in [512, 4096], against one request of the same total length.
+  std::vector<int32_t> lens(16);
+  for (int32_t i = 0; i < 16; ++i) lens[i] = 512 + (3584 * ((i * 7) % 16)) / 15;  // a fixed shuffle of the grid
+  int32_t total = 0;
+  for (int32_t l : lens) total += l;
+  testing::CaseSpec ragged = gpu_prefill(lens, lens, true);
+  ragged.format = KVFormat::kRagged;
+  v.push_back({"prefill ragged 16x[512,4096]", ragged});
+  testing::CaseSpec one = gpu_prefill({total}, {total}, true);
+  one.format = KVFormat::kRagged;
+  v.push_back({fmt::format("prefill ragged 1x{}", total), one});
+  return v;
+}
+
 struct GpuResult {
   std::string name;
   testing::CaseSpec spec;
-  double median_us = 0, graph_us = 0, bytes = 0;
+  double median_us = 0, graph_us = 0, bytes = 0, flops = 0;
   int32_t iters = 0;
   std::string plan;
 };
@@ -116,10 +162,50 @@ CopyCeiling copy_bandwidth() {
   return {2.0 * bytes / (med * 1e3), med};
 }
 
+// bf16 x bf16 -> fp32-accumulated matrix product of 8192^3 through cuBLAS: the tensor-core rate prefill is held
+// against. 0 when the build has no cuBLAS.
+double gemm_tflops() {
+#if ATTNFORGE_WITH_CUBLAS
+  const int n = 8192;
+  const size_t bytes = size_t{2} * n * n;
+  DeviceBuffer a(bytes), b(bytes), c(bytes);
+  check(cudaMemset(a.ptr, 0x3c, bytes), "cudaMemset");  // bf16 0x3c3c: about 0.0115, finite
+  check(cudaMemset(b.ptr, 0x3c, bytes), "cudaMemset");
+  cublasHandle_t h;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasCreate failed");
+  const float alpha = 1.f, beta = 0.f;
+  auto gemm = [&] {
+    if (cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.ptr, CUDA_R_16BF, n, b.ptr, CUDA_R_16BF, n, &beta,
+                     c.ptr, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+      throw std::runtime_error("cublasGemmEx failed");
+  };
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  std::vector<double> us;
+  for (int i = 0; i < 23; ++i) {
+    cudaEventRecord(e0);
+    gemm();
+    cudaEventRecord(e1);
+    check(cudaEventSynchronize(e1), "gemm");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    if (i >= 3) us.push_back(ms * 1e3);
+  }
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  cublasDestroy(h);
+  return 2.0 * n * n * static_cast<double>(n) / (median(us) * 1e6);
+#else
+  return 0;
+#endif
+}
+
 GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, const std::string& progress) {
   const double kv_bytes = kv_bytes_read(bc.spec);
-  // Enough copies that one pass over them exceeds three L2 caches (60 MB on an H200).
-  const int32_t copies = std::clamp(static_cast<int32_t>(std::ceil(3 * 60e6 / kv_bytes)), 1, 24);
+  const bool prefill = bc.spec.kind == PlanKind::kPrefill;
+  // Enough copies that one pass over them exceeds three L2 caches (60 MB on an H200); prefill reads its inputs
+  // many times over from L2 within one call, so two copies keep calls from starting warm.
+  const int32_t copies =
+      prefill ? 2 : std::clamp(static_cast<int32_t>(std::ceil(3 * 60e6 / kv_bytes)), 1, 24);
   fmt::print(stderr, "{} {}: building {} cop{} of {:.0f} MB of K/V\n", progress, bc.name, copies,
              copies == 1 ? "y" : "ies", kv_bytes / 1e6);
   std::vector<std::unique_ptr<testing::Case>> hosts;
@@ -133,7 +219,7 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
   }
   BatchPlanArgs args = hosts[0]->plan_args();
   args.device = Device::cuda(device);
-  AttentionPlan plan = plan_batch_decode(args);
+  AttentionPlan plan = prefill ? plan_batch_prefill(args) : plan_batch_decode(args);
   DeviceBuffer ws(plan.workspace_bytes);
   PinnedBuffer staging(plan.staging_bytes);
   const Workspace w{ws.ptr, plan.workspace_bytes};
@@ -142,7 +228,10 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
   upload_plan(plan, w, staging.ptr, plan.staging_bytes, stream);
   auto launch = [&](int32_t i) {
     const testing::DeviceCase& d = *devs[i % copies];
-    run(plan, d.q, d.paged, Outputs{d.out, d.lse}, d.options, w, stream);
+    if (bc.spec.format == KVFormat::kRagged)
+      run(plan, d.q, d.ragged, Outputs{d.out, d.lse}, d.options, w, stream);
+    else
+      run(plan, d.q, d.paged, Outputs{d.out, d.lse}, d.options, w, stream);
   };
 
   launch(0);
@@ -168,7 +257,7 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
     }
     return median(us);
   };
-  GpuResult r{bc.name, bc.spec, time_calls(launch), 0, kv_bytes, iters, plan.describe()};
+  GpuResult r{bc.name, bc.spec, time_calls(launch), 0, kv_bytes, attention_flops(bc.spec), iters, plan.describe()};
   if (bc.graph) {
     std::vector<cudaGraphExec_t> execs(copies);
     for (int32_t i = 0; i < copies; ++i) {
@@ -184,10 +273,10 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
   }
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cudaStreamDestroy(stream);
-  fmt::print(stderr, "{} {}: checked ({} rows); median {:.1f} us{}, {:.2f} TB/s; {}\n", progress, bc.name,
-             rows.empty() ? hosts[0]->total_qo() : static_cast<int64_t>(rows.size()), r.median_us,
+  fmt::print(stderr, "{} {}: checked ({} rows); median {:.1f} us{}, {:.2f} TB/s, {:.1f} TFLOP/s; {}\n", progress,
+             bc.name, rows.empty() ? hosts[0]->total_qo() : static_cast<int64_t>(rows.size()), r.median_us,
              r.graph_us > 0 ? fmt::format(" ({:.1f} us as a graph)", r.graph_us) : "", kv_bytes / (r.median_us * 1e6),
-             r.plan);
+             r.flops / (r.median_us * 1e6), r.plan);
   return r;
 }
 
@@ -202,24 +291,36 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
     json.open(options.json_path);
     if (!json) throw std::runtime_error(fmt::format("--json {}: cannot open the file for writing", options.json_path));
   }
-  const std::vector<GpuBenchCase> suite = gpu_suite(options.quick);
-  const size_t steps = suite.size() + 1;
+  std::vector<GpuBenchCase> suite;
+  if (options.suite == "all" || options.suite == "decode") suite = gpu_suite(options.quick);
+  if (options.suite == "all" || options.suite == "prefill")
+    for (GpuBenchCase& c : gpu_prefill_suite(options.quick)) suite.push_back(std::move(c));
+  if (suite.empty())
+    throw std::runtime_error(fmt::format("--suite {}: expected one of {{all, decode, prefill}}", options.suite));
+  const size_t steps = suite.size() + 2;
   fmt::print(stderr, "[1/{}] ceiling: device-to-device copy ...\n", steps);
   const CopyCeiling copy = copy_bandwidth();
   const double copy_gbps = copy.gbps;
+  fmt::print(stderr, "[2/{}] ceiling: cuBLAS bf16 matrix product 8192^3 ...\n", steps);
+  const double gemm = gemm_tflops();
   std::vector<GpuResult> results;
   for (size_t i = 0; i < suite.size(); ++i)
-    results.push_back(bench_gpu_case(suite[i], id, iters, fmt::format("[{}/{}]", i + 2, steps)));
+    results.push_back(bench_gpu_case(suite[i], id, iters, fmt::format("[{}/{}]", i + 3, steps)));
 
   const std::string dev = fmt::format("{} {}", to_string(device.device), device.name);
-  fmt::print("attnforge bench, suite decode-gpu: {}\n", build_info());
+  fmt::print("attnforge bench, suite {}-gpu: {}\n", options.suite, build_info());
   fmt::print("device {}: {}\n", dev, device.description);
-  fmt::print("ceiling device-to-device copy: {:.2f} TB/s (read + write)\n\n", copy_gbps / 1e3);
-  fmt::print("{:<30} {:>11} {:>11} {:>9} {:>10}\n", "case", "median_us", "graph_us", "TB/s", "% of copy");
+  fmt::print("ceiling device-to-device copy: {:.2f} TB/s (read + write)\n", copy_gbps / 1e3);
+  fmt::print("ceiling cuBLAS bf16 matrix product: {}\n\n",
+             gemm > 0 ? fmt::format("{:.0f} TFLOP/s", gemm) : std::string("n/a (built without cuBLAS)"));
+  fmt::print("{:<30} {:>11} {:>11} {:>9} {:>10} {:>9} {:>10}\n", "case", "median_us", "graph_us", "TB/s", "% of copy",
+             "TFLOP/s", "% of gemm");
   for (const GpuResult& r : results) {
-    const double gbps = r.bytes / (r.median_us * 1e3);
-    fmt::print("{:<30} {:>11.1f} {:>11} {:>9.3f} {:>9.1f}%\n", r.name, r.median_us,
-               r.graph_us > 0 ? fmt::format("{:.1f}", r.graph_us) : "-", gbps / 1e3, gbps / copy_gbps * 100);
+    const double gbps = r.bytes / (r.median_us * 1e3), tflops = r.flops / (r.median_us * 1e6);
+    const bool prefill = r.spec.kind == PlanKind::kPrefill;
+    fmt::print("{:<30} {:>11.1f} {:>11} {:>9.3f} {:>9.1f}% {:>9.1f} {:>10}\n", r.name, r.median_us,
+               r.graph_us > 0 ? fmt::format("{:.1f}", r.graph_us) : "-", gbps / 1e3, gbps / copy_gbps * 100, tflops,
+               prefill && gemm > 0 ? fmt::format("{:.1f}%", tflops / gemm * 100) : "-");
   }
   if (json.is_open()) {
     nlohmann::json out = nlohmann::json::array();
@@ -228,18 +329,27 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
     c["gbps"] = copy_gbps, c["ceiling"] = copy_gbps, c["median_us"] = copy.median_us, c["pct_of_ceiling"] = 100.0, c["iters"] = 10;
     c["bytes"] = 2.0 * (size_t{1} << 31), c["commit"] = ATTNFORGE_GIT_COMMIT;
     out.push_back(c);
+    if (gemm > 0) {
+      nlohmann::json g;
+      g["suite"] = "prefill", g["case"] = "cuBLAS bf16 gemm 8192^3", g["system"] = "ceiling", g["device"] = dev;
+      g["tflops"] = gemm, g["ceiling"] = gemm, g["pct_of_ceiling"] = 100.0, g["iters"] = 20, g["commit"] = ATTNFORGE_GIT_COMMIT;
+      out.push_back(g);
+    }
     for (const GpuResult& r : results) {
-      const double gbps = r.bytes / (r.median_us * 1e3);
+      const double gbps = r.bytes / (r.median_us * 1e3), tflops = r.flops / (r.median_us * 1e6);
+      const bool prefill = r.spec.kind == PlanKind::kPrefill;
       nlohmann::json j;
-      j["suite"] = "decode", j["case"] = r.name, j["system"] = "attnforge", j["device"] = dev;
-      j["median_us"] = r.median_us, j["gbps"] = gbps, j["pct_of_ceiling"] = gbps / copy_gbps * 100;
-      j["ceiling"] = copy_gbps, j["bytes"] = r.bytes, j["iters"] = r.iters, j["commit"] = ATTNFORGE_GIT_COMMIT;
+      j["suite"] = prefill ? "prefill" : "decode", j["case"] = r.name, j["system"] = "attnforge", j["device"] = dev;
+      j["median_us"] = r.median_us, j["gbps"] = gbps, j["tflops"] = tflops, j["flops"] = r.flops;
+      j["ceiling"] = prefill ? gemm : copy_gbps;
+      j["pct_of_ceiling"] = prefill ? (gemm > 0 ? tflops / gemm * 100 : 0.0) : gbps / copy_gbps * 100;
+      j["bytes"] = r.bytes, j["iters"] = r.iters, j["commit"] = ATTNFORGE_GIT_COMMIT;
       if (r.graph_us > 0) j["graph_us"] = r.graph_us;
       j["detail"] = r.spec.describe() + "; " + r.plan;
-      j["shape"] = {{"kv_lens", r.spec.kv_lens}, {"qo_len", r.spec.qo_lens[0]}, {"causal", r.spec.options.causal},
-                    {"num_qo_heads", r.spec.num_qo_heads}, {"num_kv_heads", r.spec.num_kv_heads},
-                    {"head_dim", r.spec.head_dim_qk}, {"page_size", r.spec.page_size},
-                    {"kv_dtype", to_string(r.spec.kv_dtype)}};
+      j["shape"] = {{"kv_lens", r.spec.kv_lens}, {"qo_lens", r.spec.qo_lens}, {"qo_len", r.spec.qo_lens[0]},
+                    {"causal", r.spec.options.causal}, {"num_qo_heads", r.spec.num_qo_heads},
+                    {"num_kv_heads", r.spec.num_kv_heads}, {"head_dim", r.spec.head_dim_qk},
+                    {"page_size", r.spec.page_size}, {"kv_dtype", to_string(r.spec.kv_dtype)}};
       out.push_back(j);
     }
     json << out.dump(1) << "\n";

@@ -17,6 +17,7 @@ struct BenchOptions {
   std::string json_path;  // empty: no JSON
   std::string device;  // empty: the best device present
   int32_t iters = 0;  // 0: the suite's default
+  std::string suite = "all";  // GPU: all, decode or prefill
 };
 
 int run_info();

@@ -26,6 +26,8 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--json", bench.json_path, "Write one JSON record per measurement to this file");
   bench_cmd->add_option("--device", bench.device,
                         "Device to run on, e.g. cpu or cuda:0 (default: the best present; `attnforge info` lists them)");
+  bench_cmd->add_option("--suite", bench.suite, "On a GPU: all, decode or prefill")
+      ->check(CLI::IsMember({"all", "decode", "prefill"}));
   bench_cmd->add_option("--iters", bench.iters, "Timed runs per case (default: 20, or 5 with --quick)")
       ->check(CLI::Range(1, 1000000));
 

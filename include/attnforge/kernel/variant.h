@@ -5,6 +5,7 @@
 #pragma once
 
 #include "attnforge/kernel/params.h"
+#include "attnforge/kernel/state.h"
 
 #if !defined(__CUDACC_RTC__)
 #include <math.h>
@@ -39,6 +40,18 @@ ATTNFORGE_HOST_DEVICE float transform_logit(const VariantParams& v, float s, int
   if (v.soft_cap > 0.f) s = v.soft_cap * tanhf(s / v.soft_cap);
   if (v.alibi_slopes) s += v.alibi_slopes[qo_head] * static_cast<float>(kv_pos - q_pos);
   return s;
+}
+
+// Folds head's sink logit into a finished row state whose lse is in log2 units: updates *lse and returns the
+// factor the normalized o is multiplied by (1 without sinks). An empty row (lse -inf) stays at o = 0.
+ATTNFORGE_HOST_DEVICE float apply_sink(const VariantParams& v, int32_t head, float* lse) {
+  if (!v.sinks) return 1.f;
+  const float sink = v.sinks[head] * kLog2e;
+  const float m = fmaxf(*lse, sink);
+  const float total = m + log2f(exp2f(*lse - m) + exp2f(sink - m));
+  const float f = exp2f(*lse - total);
+  *lse = total;
+  return f;
 }
 
 // Frequency of rotary pair p (0 <= p < rotary_dim / 2), Llama 3.1 scaling included.

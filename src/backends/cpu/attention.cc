@@ -33,15 +33,10 @@ inline void scale_row(float* __restrict y, float a, int32_t n) {
 void write_row(const AttentionParams& p, const WorkItem& it, int32_t tok, int32_t h, float* o_row, float lse_nat) {
   const int32_t qo_start = p.plan->qo_indptr[it.request];
   if (it.partial_row < 0) {
-    if (p.variant.sinks) {
-      const float sink = p.variant.sinks[h];
-      const float mx = std::max(lse_nat, sink);
-      const float total = mx + std::log(std::exp(lse_nat - mx) + std::exp(sink - mx));
-      scale_row(o_row, std::exp(lse_nat - total), p.head_dim_vo);
-      lse_nat = total;
-    }
+    float lse = lse_nat * kLog2e;
+    if (p.variant.sinks) scale_row(o_row, apply_sink(p.variant, h, &lse), p.head_dim_vo);
     store_row(p.o, p.o_dtype, (qo_start + tok) * p.o_stride_token + h * p.o_stride_head, p.head_dim_vo, o_row);
-    if (p.lse) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse_nat * kLog2e;
+    if (p.lse) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
   } else {
     const int64_t row = static_cast<int64_t>(it.partial_row) + (tok - it.qo_begin);
     std::memcpy(p.plan->partial_o + (row * p.num_qo_heads + h) * p.head_dim_vo, o_row, sizeof(float) * p.head_dim_vo);
@@ -369,13 +364,7 @@ void merge_item(const AttentionParams& p, const MergeItem& mi, int32_t h, float*
 #pragma omp simd
       for (int32_t d = 0; d < dvo; ++d) o[d] = wa * o[d] + wb * part[d];
     }
-    if (p.variant.sinks) {
-      const float sink2 = p.variant.sinks[h] * kLog2e;
-      const float mx = std::max(lse, sink2);
-      const float total = mx + std::log2(std::exp2(lse - mx) + std::exp2(sink2 - mx));
-      scale_row(o, std::exp2(lse - total), dvo);
-      lse = total;
-    }
+    if (p.variant.sinks) scale_row(o, apply_sink(p.variant, h, &lse), dvo);
     store_row(p.o, p.o_dtype, (qo_start + tok) * p.o_stride_token + h * p.o_stride_head, dvo, o);
     if (p.lse) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
   }

@@ -22,9 +22,9 @@ class CpuBackend final : public Backend {
                                  s.head_dim_qk, s.head_dim_vo, cpu::kMaxHeadDim)};
     return {};
   }
-  int32_t num_workers(const AttentionShape&) const override { return cpu::ThreadPool::instance().size(); }
-  int32_t target_tile_rows() const override { return planner::kCpuTargetRows; }
-  void attention(const AttentionParams& p, Stream) override { cpu::attention(p); }
+  int32_t num_workers(const AttentionShape&, PlanKind) const override { return cpu::ThreadPool::instance().size(); }
+  int32_t target_tile_rows(const AttentionShape&) const override { return planner::kCpuTargetRows; }
+  void attention(const AttentionParams& p, PlanKind, Stream) override { cpu::attention(p); }
   void merge_states(const MergeStatesParams& p, Stream) override { cpu::merge_states(p); }
   void append_kv(const AppendKVParams& p, Stream) override { cpu::append_kv(p); }
   void rope(const RopeApplyParams& p, Stream) override { cpu::rope(p); }

@@ -10,6 +10,7 @@
 #include "backends/cuda/cuda_check.h"
 #include "core/check.h"
 #include "backends/cuda/decode/decode.h"
+#include "backends/cuda/prefill/prefill.h"
 #include "core/shape.h"
 
 namespace attnforge::detail {
@@ -60,30 +61,31 @@ class CudaBackend final : public Backend {
     if (major_ < 8)
       return no(fmt::format("device cuda:{}: compute capability {}.{}; the CUDA backend needs 8.0 or newer", device_,
                             major_, minor_));
-    if (c.kind != PlanKind::kDecode)
-      return no("kind prefill: the CUDA backend has no prefill kernels yet (issue 4); use plan_batch_decode for up "
-                "to 8 query tokens per request, or the CPU backend");
+    const char* kernels = c.kind == PlanKind::kDecode ? "decode" : "prefill";
     if (s.q_dtype != DType::kBFloat16 && s.q_dtype != DType::kFloat16)
-      return no(fmt::format("q_dtype {}: the CUDA decode kernels take {{bfloat16, float16}}", to_string(s.q_dtype)));
+      return no(fmt::format("q_dtype {}: the CUDA {} kernels take {{bfloat16, float16}}", to_string(s.q_dtype), kernels));
     if (s.kv_dtype != s.q_dtype)
-      return no(fmt::format("kv_dtype {} with q_dtype {}: the CUDA decode kernels need K/V in the dtype of Q "
+      return no(fmt::format("kv_dtype {} with q_dtype {}: the CUDA {} kernels need K/V in the dtype of Q "
                             "(fp8 K/V is not built yet)",
-                            to_string(s.kv_dtype), to_string(s.q_dtype)));
+                            to_string(s.kv_dtype), to_string(s.q_dtype), kernels));
     if (s.o_dtype != s.q_dtype && s.o_dtype != DType::kFloat32)
-      return no(fmt::format("o_dtype {}: the CUDA decode kernels write {{{}, float32}}", to_string(s.o_dtype),
+      return no(fmt::format("o_dtype {}: the CUDA {} kernels write {{{}, float32}}", to_string(s.o_dtype), kernels,
                             to_string(s.q_dtype)));
     if (s.head_dim_qk != s.head_dim_vo || (s.head_dim_qk != 64 && s.head_dim_qk != 128 && s.head_dim_qk != 256))
-      return no(fmt::format("head_dim {}/{}: the CUDA decode kernels take equal Q/K and V head dims in {{64, 128, 256}}",
-                            s.head_dim_qk, s.head_dim_vo));
+      return no(fmt::format("head_dim {}/{}: the CUDA {} kernels take equal Q/K and V head dims in {{64, 128, 256}}",
+                            s.head_dim_qk, s.head_dim_vo, kernels));
     if (c.rope) return no("rope: RoPE fused into attention is not built for CUDA yet; apply it with apply_rope first");
     return {};
   }
 
-  int32_t num_workers(const AttentionShape& shape) const override {
-    return sms_ * cuda::decode_ctas_per_sm(normalized(shape).head_dim_qk);
+  int32_t num_workers(const AttentionShape& shape, PlanKind kind) const override {
+    const int32_t d = normalized(shape).head_dim_qk;
+    return sms_ * (kind == PlanKind::kDecode ? cuda::decode_ctas_per_sm(d) : cuda::prefill_ctas_per_sm(d));
   }
-  // One mma M tile: query tokens x group heads of a decode item.
-  int32_t target_tile_rows() const override { return 16; }
+  // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).
+  int32_t target_tile_rows(const AttentionShape& shape) const override {
+    return cuda::prefill_rows(normalized(shape).head_dim_qk);
+  }
   bool plan_in_device_memory() const override { return true; }
   // Two 64-token tiles: one CTA's pipeline still overlaps a load with a compute.
   int32_t min_split_tokens() const override { return 128; }
@@ -94,7 +96,7 @@ class CudaBackend final : public Backend {
     ATTNFORGE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
   }
 
-  void attention(const AttentionParams& p, Stream stream) override {
+  void attention(const AttentionParams& p, PlanKind kind, Stream stream) override {
     expect_aligned(p.q, "q");
     expect_stride(p.q_stride_token, "q (token)");
     expect_stride(p.q_stride_head, "q (head)");
@@ -110,8 +112,13 @@ class CudaBackend final : public Backend {
     }
     DeviceGuard guard(device_);
     const int group = p.num_qo_heads / p.num_kv_heads;
-    cuda::DecodeLaunch launch{p.item_capacity, p.merge_capacity, (p.qo_tile * group + 15) / 16};
-    cuda::run_decode(p, launch, static_cast<cudaStream_t>(stream));
+    const auto cuda_stream = static_cast<cudaStream_t>(stream);
+    if (kind == PlanKind::kDecode) {
+      cuda::run_decode(p, {p.item_capacity, p.merge_capacity, (p.qo_tile * group + 15) / 16}, cuda_stream);
+    } else {
+      const int rows = cuda::prefill_rows(p.head_dim_qk);
+      cuda::run_prefill(p, {p.item_capacity, p.merge_capacity, (p.qo_tile * group + rows - 1) / rows}, cuda_stream);
+    }
   }
 
   void merge_states(const MergeStatesParams&, Stream) override { unsupported("merge_state(s)"); }

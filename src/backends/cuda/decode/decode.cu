@@ -1,26 +1,20 @@
-// Instantiations and launch of the decode and merge kernels.
+// Instantiations and launch of the decode kernels; split-KV items are merged by the shared merge kernel.
 #include <cuda_runtime.h>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/kernel_config.h"
 #include "backends/cuda/decode/decode.h"
 #include "backends/cuda/decode/decode_kernel.cuh"
+#include "backends/cuda/merge/merge.h"
 
 namespace attnforge::cuda {
 
 namespace {
 
-// Raises the kernel's dynamic shared memory limit once per instantiation (and prefers shared memory over L1,
-// so the CTAs the occupancy calculation counts on fit); returns the CTAs one SM holds.
+// The CTAs one SM holds, after the one-time set-up of the instantiation.
 template <class Tr>
 int configure() {
-  static const int ctas_per_sm = [] {
-    auto kernel = decode_kernel<Tr>;
-    ATTNFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-    ATTNFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    int n = 0;
-    ATTNFORGE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Tr::kThreads, Tr::kSmemBytes));
-    return n;
-  }();
+  static const int ctas_per_sm = configure_kernel(decode_kernel<Tr>, Tr::kThreads, Tr::kSmemBytes);
   return ctas_per_sm;
 }
 
@@ -64,11 +58,7 @@ void run_decode(const AttentionParams& p, const DecodeLaunch& launch, cudaStream
       break;
     default: break;  // rejected by CudaBackend::check before any launch
   }
-  if (launch.merge_capacity > 0) {
-    const dim3 grid(launch.merge_capacity, p.num_qo_heads);
-    merge_kernel<<<grid, kMergeThreads, 0, stream>>>(p);
-    ATTNFORGE_CUDA_CHECK(cudaGetLastError());
-  }
+  run_merge(p, launch.merge_capacity, stream);
 }
 
 }  // namespace attnforge::cuda

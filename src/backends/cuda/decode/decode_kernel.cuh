@@ -9,6 +9,7 @@
 #include "attnforge/kernel/state.h"
 #include "attnforge/kernel/variant.h"
 #include "backends/cuda/device/ptx.cuh"
+#include "backends/cuda/device/tiles.cuh"
 
 namespace attnforge::cuda {
 
@@ -25,9 +26,6 @@ struct DecodeTraits {
   // two 100 KB CTAs per SM left every scheduler idle 64% of cycles).
   static constexpr int kStages = 2;
   static constexpr int kMinBlocksPerSM = kHeadDim <= 128 ? 3 : 1;  // caps registers so three CTAs fit
-  static constexpr int kChunks = kHeadDim / 8;     // 16-byte chunks per row
-  static constexpr int kRowGroups = kThreads / kChunks;
-  static constexpr int kLoadRows = kTileTokens / kRowGroups;  // rows of a tile each thread copies
   static constexpr int kTileElems = kTileTokens * kHeadDim;
   // Shared memory: Q, then K stages, then V stages (16-bit elements); the cross-warp merge reuses K/V.
   static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * kStages * kTileElems);
@@ -36,16 +34,8 @@ struct DecodeTraits {
   static constexpr int kMergeStride = kHeadDim + 8;
   static constexpr int kMergeBytes = kWarps * kRows * (kMergeStride + 2) * 4;
   static_assert(kHeadDim % 16 == 0 && kHeadDim >= 64 && kHeadDim <= 256, "head_dim 64..256, multiple of 16");
-  static_assert(kThreads % kChunks == 0 && kTileTokens % kRowGroups == 0, "tile copy must divide evenly");
   static_assert(kMergeBytes <= 2 * 2 * kStages * kTileElems, "merge buffer must fit in the K/V stages");
 };
-
-// Rows are kHeadDim 16-bit elements; chunk c of row r lives at chunk c ^ (r & 7). ldmatrix reads 8 rows at one
-// logical chunk; the XOR spreads them over 8 different 16-byte bank groups, so the reads are conflict-free.
-template <int kHeadDim>
-__device__ __forceinline__ int swizzle(int row, int chunk) {
-  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
-}
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kernel(const AttentionParams p) {
@@ -77,19 +67,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
     const int qo_len = plan.qo_indptr[b + 1] - qo_start;
     const int kv_len = plan.kv_len[b];
 
-    // Q rows -> shared (zeros past `rows`).
-    for (int i = tid; i < Tr::kRows * Tr::kChunks; i += Tr::kThreads) {
-      const int r = i / Tr::kChunks, c = i % Tr::kChunks;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (r < rows) {
-        const int rr = row0 + r;
-        const int tok = it.qo_begin + rr / group, head = kv_head * group + rr % group;
-        const uint16_t* src = static_cast<const uint16_t*>(p.q) + (qo_start + tok) * p.q_stride_token +
-                              head * p.q_stride_head + c * 8;
-        val = *reinterpret_cast<const uint4*>(src);
-      }
-      *reinterpret_cast<uint4*>(sQ + swizzle<D>(r, c)) = val;
-    }
+    // Q rows -> shared (zeros past `rows`); committed with the first K/V tile.
+    load_query_rows<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);
 
     // The two rows this thread holds in the mma fragments: lane / 4 and lane / 4 + 8.
     int r_tok[2], r_head[2], r_pos[2], r_lo[2], r_hi[2];
@@ -97,19 +76,12 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
     int max_lo = it.kv_begin, min_hi = it.kv_end;  // the KV every valid row allows
     for (int h = 0; h < 2; ++h) {
       const int r = lane / 4 + 8 * h;
-      const int rr = row0 + r;
-      r_tok[h] = it.qo_begin + rr / group;
-      r_head[h] = kv_head * group + rr % group;
-      r_pos[h] = query_position(r_tok[h], qo_len, kv_len);
-      allowed_kv_range(vp, r_pos[h], kv_len, &r_lo[h], &r_hi[h]);
-      r_lo[h] = max(r_lo[h], it.kv_begin);
-      r_hi[h] = max(r_lo[h], min(r_hi[h], it.kv_end));
-      if (r >= rows) {
-        r_hi[h] = r_lo[h];
-      } else {
-        max_lo = max(max_lo, r_lo[h]);
-        min_hi = min(min_hi, r_hi[h]);
-      }
+      const QueryRow q = query_row(it, row0 + r, group, kv_head);
+      r_tok[h] = q.tok;
+      r_head[h] = q.head;
+      r_pos[h] = query_position(q.tok, qo_len, kv_len);
+      row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &r_lo[h], &r_hi[h]);
+      if (r < rows) max_lo = max(max_lo, r_lo[h]), min_hi = min(min_hi, r_hi[h]);
       if (r_lo[h] < r_hi[h]) range_lo = min(range_lo, r_lo[h]), range_hi = max(range_hi, r_hi[h]);
     }
     // Every lane holds two of the 16 rows and lanes 0..31 cover all of them: a warp reduction gives the union.
@@ -121,42 +93,11 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
     }
     const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + Tr::kTileTokens - 1) / Tr::kTileTokens : 0;
 
-    // Page lookups are the only dependent global loads of the K/V stream. The page ids of a tile are loaded
-    // one iteration before its copies are issued, so their latency hides behind the compute of a tile.
-    const int64_t page_list = kv.format == KVFormat::kBlockTable ? static_cast<int64_t>(b) * kv.page_list_stride
-                                                                  : static_cast<int64_t>(kv.page_list_indptr[b]);
-    const int chunk = tid % Tr::kChunks;
-    // Page sizes are almost always powers of two; shifts then replace two integer divisions per row and tile.
-    const bool page_pow2 = (kv.page_size & (kv.page_size - 1)) == 0;
-    const int page_shift = __ffs(kv.page_size) - 1;
-    auto page_index = [&](int token) { return page_pow2 ? token >> page_shift : token / kv.page_size; };
-    auto page_slot = [&](int token) { return page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size; };
-    int64_t pages[Tr::kLoadRows];
-    auto fetch_pages = [&](int t) {
-      for (int k = 0; k < Tr::kLoadRows; ++k) {
-        const int token = range_lo + t * Tr::kTileTokens + tid / Tr::kChunks + k * Tr::kRowGroups;
-        const int clamped = min(token, range_hi - 1);  // rows past the range are zero-filled, never read
-        pages[k] = kv.format == KVFormat::kRagged ? page_list + clamped
-                                                  : static_cast<int64_t>(kv.page_ids[page_list + page_index(clamped)]);
-      }
-    };
-    // Copies tile `t` of K and V into stage `s` from the pages fetched for it.
+    KVTileLoader<D, Tr::kTileTokens, Tr::kThreads> loader(kv, b, kv_head, range_lo, range_hi);
     auto load_tile = [&](int t, int s) {
-      for (int k = 0; k < Tr::kLoadRows; ++k) {
-        const int r = tid / Tr::kChunks + k * Tr::kRowGroups;
-        const int token = range_lo + t * Tr::kTileTokens + r;
-        const bool valid = token < range_hi;
-        const int64_t slot = kv.format == KVFormat::kRagged ? 0 : page_slot(token);
-        const uint16_t* ksrc = static_cast<const uint16_t*>(kv.k);
-        const uint16_t* vsrc = static_cast<const uint16_t*>(kv.v);
-        if (valid) {
-          ksrc += pages[k] * kv.k_stride_page + slot * kv.k_stride_token + kv_head * kv.k_stride_head + chunk * 8;
-          vsrc += pages[k] * kv.v_stride_page + slot * kv.v_stride_token + kv_head * kv.v_stride_head + chunk * 8;
-        }
-        cp_async_16(sK + s * Tr::kTileElems + swizzle<D>(r, chunk), ksrc, valid ? 16 : 0);
-        cp_async_16(sV + s * Tr::kTileElems + swizzle<D>(r, chunk), vsrc, valid ? 16 : 0);
-      }
+      loader.load(t, sK + s * Tr::kTileElems, sV + s * Tr::kTileElems);
     };
+    auto fetch_pages = [&](int t) { loader.fetch_pages(t); };
 
     float o_acc[D / 8][4];
     for (int n = 0; n < D / 8; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
@@ -297,16 +238,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
       }
       float lse = l_all > 0.f ? m_all + log2f(l_all) : -ATTNFORGE_INFINITY;
       o = l_all > 0.f ? o * kv.v_scale / l_all : 0.f;
-      const int rr = row0 + r;
-      const int tok = it.qo_begin + rr / group, head = kv_head * group + rr % group;
+      const QueryRow q = query_row(it, row0 + r, group, kv_head);
+      const int tok = q.tok, head = q.head;
       if (it.partial_row < 0) {
-        if (vp.sinks) {
-          const float sink = vp.sinks[head] * kLog2e;
-          const float mx = fmaxf(lse, sink);
-          const float total = mx + log2f(exp2f(lse - mx) + exp2f(sink - mx));
-          o *= exp2f(lse - total);
-          lse = total;
-        }
+        o *= apply_sink(vp, head, &lse);
         store_element(p.o, p.o_dtype, (qo_start + tok) * p.o_stride_token + head * p.o_stride_head + d, o);
         if (p.lse && d == 0) p.lse[(qo_start + tok) * p.lse_stride_token + head] = lse;
       } else {
@@ -316,79 +251,6 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
       }
     }
     __syncthreads();  // shared memory is reused by the next item
-  }
-}
-
-constexpr int kMergeThreads = 128;
-constexpr int kMergeChunk = 256;  // partial states whose weights sit in shared memory at once
-
-__device__ __forceinline__ float block_reduce_max(float x, float* scratch) {
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
-  __syncthreads();
-  x = scratch[0];
-  for (int w = 1; w < kMergeThreads / 32; ++w) x = fmaxf(x, scratch[w]);
-  __syncthreads();
-  return x;
-}
-
-// Combines the partial states of each merge item: one CTA per (merge, query head). The weights of up to
-// kMergeChunk partial states are computed in parallel into shared memory, then each thread accumulates its
-// dimensions over them with independent loads (a serial chain of dependent loads per state was 11 us for 16
-// states: every one waited a full L2 round trip).
-// The minimum of one block per SM lifts the register cap ptxas otherwise chose (32, with a spill).
-__global__ void __launch_bounds__(kMergeThreads, 1) merge_kernel(const AttentionParams p) {
-  __shared__ float s_w[kMergeChunk];
-  __shared__ int64_t s_row[kMergeChunk];
-  __shared__ float s_red[kMergeThreads / 32];
-  const PlanView& plan = *p.plan;
-  const int h = blockIdx.y;
-  const int dvo = p.head_dim_vo;
-  const int tid = threadIdx.x;
-  for (int mi_index = blockIdx.x; mi_index < plan.num_merges; mi_index += gridDim.x) {
-    const MergeItem mi = plan.merges[mi_index];
-    const int qo_start = plan.qo_indptr[mi.request];
-    for (int tok = mi.qo_begin; tok < mi.qo_end; ++tok) {
-      const WorkItem* items = plan.items + mi.first_item;
-      const int row_offset = tok - mi.qo_begin;
-      float m = -ATTNFORGE_INFINITY;
-      for (int k = tid; k < mi.num_items; k += kMergeThreads) m = fmaxf(m, plan.partial_lse[(static_cast<int64_t>(items[k].partial_row) + row_offset) * p.num_qo_heads + h]);
-      m = block_reduce_max(m, s_red);
-      float l = 0.f, o0 = 0.f, o1 = 0.f;  // dims tid and tid + 128 (head_dim <= 256)
-      for (int base = 0; base < mi.num_items; base += kMergeChunk) {
-        const int n = min(kMergeChunk, mi.num_items - base);
-        for (int k = tid; k < n; k += kMergeThreads) {
-          const int64_t row = static_cast<int64_t>(items[base + k].partial_row) + row_offset;
-          const float lse_k = plan.partial_lse[row * p.num_qo_heads + h];
-          s_w[k] = m == -ATTNFORGE_INFINITY || lse_k == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse_k - m);
-          s_row[k] = (row * p.num_qo_heads + h) * dvo;
-        }
-        __syncthreads();
-#pragma unroll 8
-        for (int k = 0; k < n; ++k) {
-          const float w = s_w[k];
-          l += w;
-          const float* part = plan.partial_o + s_row[k];
-          if (tid < dvo) o0 += w * part[tid];
-          if (tid + kMergeThreads < dvo) o1 += w * part[tid + kMergeThreads];
-        }
-        __syncthreads();
-      }
-      float lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      float f = inv;
-      if (p.variant.sinks) {
-        const float sink = p.variant.sinks[h] * kLog2e;
-        const float mx = fmaxf(lse, sink);
-        const float total = mx + log2f(exp2f(lse - mx) + exp2f(sink - mx));
-        f *= exp2f(lse - total);
-        lse = total;
-      }
-      const int64_t out_row = (qo_start + tok) * p.o_stride_token + h * p.o_stride_head;
-      if (tid < dvo) store_element(p.o, p.o_dtype, out_row + tid, o0 * f);
-      if (tid + kMergeThreads < dvo) store_element(p.o, p.o_dtype, out_row + tid + kMergeThreads, o1 * f);
-      if (p.lse && tid == 0) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
-    }
   }
 }
 

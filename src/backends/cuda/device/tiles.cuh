@@ -1,0 +1,128 @@
+// Pieces the decode and prefill kernels share: the swizzled shared-memory row layout, the packed query rows of a
+// work item (query tokens x the query heads of one KV group), and the K/V tile loader that walks a request's
+// pages. Self-contained for NVRTC.
+#pragma once
+
+#include "attnforge/kernel/params.h"
+#include "attnforge/kernel/variant.h"
+#include "backends/cuda/device/ptx.cuh"
+
+namespace attnforge::cuda {
+
+// Rows are kHeadDim 16-bit elements; chunk c of row r lives at chunk c ^ (r & 7). ldmatrix reads 8 rows at one
+// logical chunk; the XOR spreads them over 8 different 16-byte bank groups, so the reads are conflict-free.
+template <int kHeadDim>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+// ldmatrix addresses into swizzled rows, kept to four registers per operand. A lane reads row r (r & 7 fixed for
+// the whole loop, other rows differ by multiples of 8) at logical chunk 2k + sub. Since the XOR only touches
+// the low three bits, that chunk sits at base[k % 4] + 64 (k / 4) elements, and row + 8 i adds 8 i kHeadDim:
+// with k and i unrolled, every address is a base register plus an immediate. (Left to itself, the compiler
+// kept one register per unrolled (row, chunk) pair and spilled.)
+template <int kHeadDim>
+struct SwizzledLane {
+  int base[4];
+  __device__ __forceinline__ SwizzledLane(int row, int sub) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) base[c] = row * kHeadDim + (((2 * c + sub) ^ (row & 7)) << 3);
+  }
+  __device__ __forceinline__ int at(int k) const { return base[k & 3] + ((k >> 2) << 6); }
+};
+
+// Packed query row rr of a work item: rows run over the item's query tokens, and within a token over the
+// query heads of KV head `kv_head`'s group, so every K/V element loaded serves all of them.
+struct QueryRow {
+  int32_t tok;   // token index within the request
+  int32_t head;  // query head
+};
+__device__ __forceinline__ QueryRow query_row(const WorkItem& it, int rr, int group, int kv_head) {
+  return {it.qo_begin + rr / group, kv_head * group + rr % group};
+}
+
+// Copies kRows packed query rows starting at row0 into swizzled shared memory with cp.async (zeros past `rows`).
+// The caller commits the group.
+template <int D, int kRows, int kThreads>
+__device__ __forceinline__ void load_query_rows(const AttentionParams& p, const WorkItem& it, int qo_start, int row0,
+                                                int rows, int group, int kv_head, uint16_t* sQ) {
+  constexpr int kChunks = D / 8;
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const QueryRow q = query_row(it, row0 + min(r, rows - 1), group, kv_head);
+    const uint16_t* src =
+        static_cast<const uint16_t*>(p.q) + (qo_start + q.tok) * p.q_stride_token + q.head * p.q_stride_head + c * 8;
+    cp_async_16(sQ + swizzle<D>(r, c), src, r < rows ? 16 : 0);
+  }
+}
+
+// The KV positions a packed row may attend within the item: [*lo, *hi), empty for rows past `rows`.
+__device__ __forceinline__ void row_kv_range(const VariantParams& vp, const WorkItem& it, int r, int rows, int rr,
+                                             int group, int qo_len, int kv_len, int* lo, int* hi) {
+  allowed_kv_range(vp, query_position(it.qo_begin + rr / group, qo_len, kv_len), kv_len, lo, hi);
+  *lo = max(*lo, it.kv_begin);
+  *hi = max(*lo, min(*hi, it.kv_end));
+  if (r >= rows) *hi = *lo;
+}
+
+// Streams K/V tiles of kTileTokens tokens of one request and KV head, starting at token `first` and ending
+// before `last`, into swizzled shared memory with cp.async. Each thread copies kLoadRows rows of one 16-byte
+// chunk column. Page lookups are the only dependent global loads of the stream: fetch_pages(t) loads the page
+// ids of tile t into registers, one tile before load(t) issues the copies, so their latency hides behind the
+// compute of a tile. Tokens past `last` are zero-filled and never read.
+template <int D, int kTileTokens, int kThreads>
+struct KVTileLoader {
+  static constexpr int kChunks = D / 8;
+  static constexpr int kRowGroups = kThreads / kChunks;
+  static constexpr int kLoadRows = kTileTokens / kRowGroups;
+  static_assert(kThreads % kChunks == 0 && kTileTokens % kRowGroups == 0, "tile copy must divide evenly");
+
+  const KVParams& kv;
+  int64_t page_list;
+  int first, last, kv_head, page_shift;
+  bool page_pow2;
+  int32_t pages[kLoadRows];  // page ids (ragged: packed rows) of the rows this thread copies next
+
+  __device__ __forceinline__ KVTileLoader(const KVParams& kv_, int request, int kv_head_, int first_, int last_)
+      : kv(kv_), first(first_), last(last_), kv_head(kv_head_) {
+    page_list = kv.format == KVFormat::kBlockTable ? static_cast<int64_t>(request) * kv.page_list_stride
+                                                   : static_cast<int64_t>(kv.page_list_indptr[request]);
+    // Page sizes are almost always powers of two; shifts then replace two integer divisions per row and tile.
+    page_pow2 = (kv.page_size & (kv.page_size - 1)) == 0;
+    page_shift = __ffs(kv.page_size) - 1;
+  }
+  __device__ __forceinline__ int row(int k) const { return threadIdx.x / kChunks + k * kRowGroups; }
+
+  __device__ __forceinline__ void fetch_pages(int t) {
+    #pragma unroll
+    for (int k = 0; k < kLoadRows; ++k) {
+      const int token = min(first + t * kTileTokens + row(k), last - 1);
+      const int index = page_pow2 ? token >> page_shift : token / kv.page_size;
+      pages[k] = kv.format == KVFormat::kRagged ? static_cast<int32_t>(page_list + token)
+                                                : kv.page_ids[page_list + index];
+    }
+  }
+
+  // Copies tile t of K and V into sK / sV (one stage each) from the pages fetched for it.
+  __device__ __forceinline__ void load(int t, uint16_t* sK, uint16_t* sV) const {
+    const int chunk = threadIdx.x % kChunks;
+    #pragma unroll
+    for (int k = 0; k < kLoadRows; ++k) {
+      const int r = row(k);
+      const int token = first + t * kTileTokens + r;
+      const bool valid = token < last;
+      const int64_t slot =
+          kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
+      const uint16_t* ksrc = static_cast<const uint16_t*>(kv.k);
+      const uint16_t* vsrc = static_cast<const uint16_t*>(kv.v);
+      if (valid) {
+        ksrc += static_cast<int64_t>(pages[k]) * kv.k_stride_page + slot * kv.k_stride_token + kv_head * kv.k_stride_head + chunk * 8;
+        vsrc += static_cast<int64_t>(pages[k]) * kv.v_stride_page + slot * kv.v_stride_token + kv_head * kv.v_stride_head + chunk * 8;
+      }
+      cp_async_16(sK + swizzle<D>(r, chunk), ksrc, valid ? 16 : 0);
+      cp_async_16(sV + swizzle<D>(r, chunk), vsrc, valid ? 16 : 0);
+    }
+  }
+};
+
+}  // namespace attnforge::cuda

@@ -1,0 +1,298 @@
+// Batch prefill and append on tensor cores (sm_80 and newer: mma.sync m16n8k16, ldmatrix, cp.async, swizzled
+// shared memory, online softmax in fp32). One CTA = (work item, KV head, block of kRows packed rows); rows are
+// the item's query tokens times the query heads of the KV head's group, so one K/V tile serves them all.
+// Each of the 4 warps owns kMTiles consecutive m16 tiles of rows and reads every K/V tile of the item: the K
+// and V fragments a warp loads from shared memory feed kMTiles mma each, which keeps shared-memory traffic
+// under the tensor cores' appetite (see docs/perf-notes.md). A warp whose rows cannot see a tile (causal
+// diagonal, window) skips its compute. K/V stream through a 2-stage cp.async pipeline with the page ids of
+// the next tile fetched a tile ahead. Self-contained for NVRTC.
+#pragma once
+
+#include "attnforge/kernel/params.h"
+#include "attnforge/kernel/state.h"
+#include "attnforge/kernel/variant.h"
+#include "backends/cuda/device/ptx.cuh"
+#include "backends/cuda/device/tiles.cuh"
+#include "backends/cuda/prefill/tile_config.h"
+
+namespace attnforge::cuda {
+
+template <int kHeadDim_, typename Elem_>
+struct PrefillTraits {
+  using Elem = Elem_;  // Bf16 or F16: Q and K/V element type, and the mma operand type
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = kPrefillWarps;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kMTiles = prefill_m_tiles(kHeadDim);
+  static constexpr int kWarpRows = 16 * kMTiles;
+  static constexpr int kRows = prefill_rows(kHeadDim);
+  static constexpr int kTileTokens = prefill_tile_tokens(kHeadDim);
+  // Three stages where they fit two CTAs per SM (80 KB at head_dim 128), two at head_dim 256 (96 KB).
+  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
+  static constexpr int kTileElems = kTileTokens * kHeadDim;
+  // Shared memory: Q, then K stages, then V stages (16-bit elements).
+  static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * kStages * kTileElems);
+  static constexpr int kMinBlocksPerSM = 2;
+  static_assert(kRows == kWarps * kWarpRows, "rows are split evenly over the warps");
+  static_assert(kHeadDim % 16 == 0 && kTileTokens % 16 == 0, "mma k16 steps");
+};
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_kernel(const AttentionParams p) {
+  using Elem = typename Tr::Elem;
+  constexpr int D = Tr::kHeadDim, M = Tr::kMTiles, N = Tr::kTileTokens;
+  extern __shared__ __align__(128) uint16_t smem[];
+  __shared__ int s_bounds[2][Tr::kWarps];
+  uint16_t* sQ = smem;
+  uint16_t* sK = sQ + Tr::kRows * D;
+  uint16_t* sV = sK + Tr::kStages * Tr::kTileElems;
+
+  const PlanView& plan = *p.plan;
+  const KVParams& kv = p.kv;
+  const VariantParams& vp = p.variant;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int kv_head = blockIdx.y;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int row0 = blockIdx.z * Tr::kRows;
+  const int warp_row0 = warp * Tr::kWarpRows;
+  const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
+  const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
+  const int num_items = plan.num_items;
+
+  // Items in reverse plan order: each request's last query tiles, the heaviest under causal masking, start
+  // first, and the light ones fill the tail of the wave.
+  for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
+    const WorkItem it = plan.items[num_items - 1 - index];
+    const int b = it.request;
+    const int rows_total = (it.qo_end - it.qo_begin) * group;
+    if (row0 >= rows_total) continue;
+    const int rows = min(Tr::kRows, rows_total - row0);
+    const int qo_start = plan.qo_indptr[b];
+    const int qo_len = plan.qo_indptr[b + 1] - qo_start;
+    const int kv_len = plan.kv_len[b];
+
+    load_query_rows<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);
+
+    // The rows this thread holds in the mma fragments: m tile mt, half h -> warp_row0 + 16 mt + lane / 4 + 8 h.
+    // Only the warp's bounds stay in registers; masked tiles recompute a row's range.
+    int w_lo = it.kv_end, w_hi = it.kv_begin;          // union of the warp's row ranges
+    int w_max_lo = it.kv_begin, w_min_hi = it.kv_end;  // their intersection over the warp's valid rows
+    #pragma unroll
+    for (int mt = 0; mt < M; ++mt)
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp_row0 + 16 * mt + lane / 4 + 8 * h;
+        int lo, hi;
+        row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &lo, &hi);
+        if (r < rows) w_max_lo = max(w_max_lo, lo), w_min_hi = min(w_min_hi, hi);
+        if (lo < hi) w_lo = min(w_lo, lo), w_hi = max(w_hi, hi);
+      }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      w_lo = min(w_lo, __shfl_xor_sync(0xffffffffu, w_lo, o));
+      w_hi = max(w_hi, __shfl_xor_sync(0xffffffffu, w_hi, o));
+      w_max_lo = max(w_max_lo, __shfl_xor_sync(0xffffffffu, w_max_lo, o));
+      w_min_hi = min(w_min_hi, __shfl_xor_sync(0xffffffffu, w_min_hi, o));
+    }
+    if (lane == 0) s_bounds[0][warp] = w_lo, s_bounds[1][warp] = w_hi;
+    __syncthreads();
+    int range_lo = it.kv_end, range_hi = it.kv_begin;  // the KV any row of the CTA reads
+    #pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w)
+      if (s_bounds[0][w] < s_bounds[1][w]) range_lo = min(range_lo, s_bounds[0][w]), range_hi = max(range_hi, s_bounds[1][w]);
+    const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
+
+    KVTileLoader<D, N, Tr::kThreads> loader(kv, b, kv_head, range_lo, range_hi);
+    #pragma unroll
+    for (int s = 0; s < Tr::kStages - 1; ++s) {
+      if (s < num_tiles) {
+        loader.fetch_pages(s);
+        loader.load(s, sK + s * Tr::kTileElems, sV + s * Tr::kTileElems);
+      }
+      cp_async_commit();  // the first group carries Q as well
+    }
+    if (Tr::kStages - 1 < num_tiles) loader.fetch_pages(Tr::kStages - 1);
+    // ldmatrix lanes: Q rows of the warp (A operand), K rows (B of Q K^T), V rows (B of P V, transposed).
+    const SwizzledLane<D> q_lane(warp_row0 + lane % 16, lane / 16);
+    const SwizzledLane<D> k_lane((lane % 8) + 8 * (lane / 16), (lane / 8) % 2);
+    const SwizzledLane<D> v_lane((lane % 8) + 8 * ((lane / 8) % 2), lane / 16);
+
+    float o_acc[M][D / 8][4];
+    float m_run[M][2], l_run[M][2];
+    #pragma unroll
+    for (int mt = 0; mt < M; ++mt) {
+      #pragma unroll
+      for (int n = 0; n < D / 8; ++n) o_acc[mt][n][0] = o_acc[mt][n][1] = o_acc[mt][n][2] = o_acc[mt][n][3] = 0.f;
+      m_run[mt][0] = m_run[mt][1] = -ATTNFORGE_INFINITY;
+      l_run[mt][0] = l_run[mt][1] = 0.f;
+    }
+
+    for (int t = 0; t < num_tiles; ++t) {
+      cp_async_wait<Tr::kStages - 2>();
+      __syncthreads();  // tile t has landed for every thread, and every warp is done with tile t - 1
+      const int next = t + Tr::kStages - 1;
+      if (next < num_tiles) {
+        const int s = next % Tr::kStages;
+        loader.load(next, sK + s * Tr::kTileElems, sV + s * Tr::kTileElems);
+        if (next + 1 < num_tiles) loader.fetch_pages(next + 1);
+      }
+      cp_async_commit();
+
+      const int tile_start = range_lo + t * N;
+      if (tile_start >= w_hi || tile_start + N <= w_lo) continue;  // no row of this warp sees the tile
+      const uint16_t* k_tile = sK + (t % Tr::kStages) * Tr::kTileElems;
+      const uint16_t* v_tile = sV + (t % Tr::kStages) * Tr::kTileElems;
+
+      // S = Q K^T: kMTiles x (N / 8) accumulator tiles; each K fragment feeds kMTiles mma.
+      float s_acc[M][N / 8][4];
+      #pragma unroll
+      for (int mt = 0; mt < M; ++mt)
+        #pragma unroll
+        for (int n = 0; n < N / 8; ++n) s_acc[mt][n][0] = s_acc[mt][n][1] = s_acc[mt][n][2] = s_acc[mt][n][3] = 0.f;
+      #pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[M][4];
+        #pragma unroll
+        for (int mt = 0; mt < M; ++mt)
+          ldmatrix_x4(a[mt], sQ + q_lane.at(kk) + 16 * mt * D);
+        #pragma unroll
+        for (int np = 0; np < N / 16; ++np) {
+          uint32_t bk[4];
+          ldmatrix_x4(bk, k_tile + k_lane.at(kk) + 16 * np * D);
+          #pragma unroll
+          for (int mt = 0; mt < M; ++mt) {
+            mma_16816(s_acc[mt][2 * np], a[mt], bk[0], bk[1], Elem{});
+            mma_16816(s_acc[mt][2 * np + 1], a[mt], bk[2], bk[3], Elem{});
+          }
+        }
+      }
+
+      // Scale, transform and mask, then the online softmax update (two rows per m tile per thread). Tiles that
+      // every row of the warp sees whole, with no per-element transform or custom mask, skip the masking.
+      const bool plain = !transform && !vp.custom_mask && tile_start >= w_max_lo && tile_start + N <= w_min_hi;
+      #pragma unroll
+      for (int mt = 0; mt < M; ++mt) {
+        float tile_max[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY};
+        if (plain) {
+          #pragma unroll
+          for (int n = 0; n < N / 8; ++n)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              s_acc[mt][n][e] *= scale_log2;
+              tile_max[e / 2] = fmaxf(tile_max[e / 2], s_acc[mt][n][e]);
+            }
+        } else {
+          #pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = warp_row0 + 16 * mt + lane / 4 + 8 * h;
+            const QueryRow q = query_row(it, row0 + r, group, kv_head);
+            const int q_pos = query_position(q.tok, qo_len, kv_len);
+            int lo, hi;
+            row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &lo, &hi);
+            #pragma unroll
+            for (int n = 0; n < N / 8; ++n)
+              #pragma unroll
+              for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                const int j = tile_start + n * 8 + 2 * (lane % 4) + (e % 2);
+                float x = s_acc[mt][n][e];
+                bool allowed = j >= lo && j < hi;
+                if (allowed && transform)
+                  x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, q.head, q_pos, j) * kLog2e;
+                else
+                  x *= scale_log2;
+                if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, q.tok, j, kv_len);
+                x = allowed ? x : -ATTNFORGE_INFINITY;
+                s_acc[mt][n][e] = x;
+                tile_max[h] = fmaxf(tile_max[h], x);
+              }
+          }
+        }
+        float corr[2];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float m_new = fmaxf(m_run[mt][h], warp_max_quad(tile_max[h]));
+          corr[h] = m_new == -ATTNFORGE_INFINITY ? 1.f : exp2f(m_run[mt][h] - m_new);
+          m_run[mt][h] = m_new;
+          l_run[mt][h] *= corr[h];
+        }
+        #pragma unroll
+        for (int n = 0; n < N / 8; ++n)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int h = e / 2;
+            const float pr = m_run[mt][h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(s_acc[mt][n][e] - m_run[mt][h]);
+            s_acc[mt][n][e] = pr;
+            l_run[mt][h] += pr;
+          }
+        // Once the running maxima settle, most tiles move none of them: skip the rescale then.
+        if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
+          #pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            o_acc[mt][n][0] *= corr[0], o_acc[mt][n][1] *= corr[0];
+            o_acc[mt][n][2] *= corr[1], o_acc[mt][n][3] *= corr[1];
+          }
+      }
+
+      // O += P V, 16 tokens per k step: the S accumulators of two n8 tiles are exactly the A fragment of one
+      // k16 step, and each V fragment feeds kMTiles mma.
+      #pragma unroll
+      for (int kt = 0; kt < N / 16; ++kt) {
+        uint32_t a_p[M][4];
+        #pragma unroll
+        for (int mt = 0; mt < M; ++mt) {
+          a_p[mt][0] = pack2(s_acc[mt][2 * kt][0], s_acc[mt][2 * kt][1], Elem{});
+          a_p[mt][1] = pack2(s_acc[mt][2 * kt][2], s_acc[mt][2 * kt][3], Elem{});
+          a_p[mt][2] = pack2(s_acc[mt][2 * kt + 1][0], s_acc[mt][2 * kt + 1][1], Elem{});
+          a_p[mt][3] = pack2(s_acc[mt][2 * kt + 1][2], s_acc[mt][2 * kt + 1][3], Elem{});
+        }
+        #pragma unroll
+        for (int nd = 0; nd < D / 16; ++nd) {
+          uint32_t bv[4];
+          ldmatrix_x4_trans(bv, v_tile + v_lane.at(nd) + 16 * kt * D);
+          #pragma unroll
+          for (int mt = 0; mt < M; ++mt) {
+            mma_16816(o_acc[mt][2 * nd], a_p[mt], bv[0], bv[1], Elem{});
+            mma_16816(o_acc[mt][2 * nd + 1], a_p[mt], bv[2], bv[3], Elem{});
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+
+    // Each row's state is complete in its quad of lanes: normalize and write it.
+    #pragma unroll
+    for (int mt = 0; mt < M; ++mt)
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float l = warp_sum_quad(l_run[mt][h]);
+        const int r = warp_row0 + 16 * mt + lane / 4 + 8 * h;
+        if (r >= rows) continue;
+        const QueryRow q = query_row(it, row0 + r, group, kv_head);
+        float lse = l > 0.f ? m_run[mt][h] + log2f(l) : -ATTNFORGE_INFINITY;
+        float f = l > 0.f ? kv.v_scale / l : 0.f;
+        if (it.partial_row < 0) {
+          f *= apply_sink(vp, q.head, &lse);
+          const int64_t base = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head;
+          #pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            const int col = n * 8 + 2 * (lane % 4);
+            store_element(p.o, p.o_dtype, base + col, o_acc[mt][n][2 * h] * f);
+            store_element(p.o, p.o_dtype, base + col + 1, o_acc[mt][n][2 * h + 1] * f);
+          }
+          if (p.lse && lane % 4 == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
+        } else {
+          const int64_t prow = static_cast<int64_t>(it.partial_row) + (q.tok - it.qo_begin);
+          float* dst = plan.partial_o + (prow * p.num_qo_heads + q.head) * D;
+          #pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            const int col = n * 8 + 2 * (lane % 4);
+            *reinterpret_cast<float2*>(dst + col) = make_float2(o_acc[mt][n][2 * h] * f, o_acc[mt][n][2 * h + 1] * f);
+          }
+          if (lane % 4 == 0) plan.partial_lse[prow * p.num_qo_heads + q.head] = lse;
+        }
+      }
+    __syncthreads();  // shared memory (Q, stages, bounds) is reused by the next item
+  }
+}
+
+}  // namespace attnforge::cuda

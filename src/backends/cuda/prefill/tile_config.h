@@ -1,0 +1,16 @@
+// Tile shapes of the prefill kernel, shared by its traits (device) and the planner hooks (host). NVRTC-clean.
+#pragma once
+
+#include "attnforge/kernel/types.h"
+
+namespace attnforge::cuda {
+
+constexpr int kPrefillWarps = 4;
+// m16 row tiles per warp: two where the accumulators fit the register file (head_dim <= 128), one otherwise.
+ATTNFORGE_HOST_DEVICE constexpr int prefill_m_tiles(int head_dim) { return head_dim <= 128 ? 2 : 1; }
+// Packed query rows (tokens x heads of a group) per CTA: 128 at head_dim <= 128, 64 at 256.
+ATTNFORGE_HOST_DEVICE constexpr int prefill_rows(int head_dim) { return 16 * kPrefillWarps * prefill_m_tiles(head_dim); }
+// K/V tokens per pipeline stage: 64 at head_dim 64; 32 above, where 64 made ptxas spill the accumulators.
+ATTNFORGE_HOST_DEVICE constexpr int prefill_tile_tokens(int head_dim) { return head_dim <= 64 ? 64 : 32; }
+
+}  // namespace attnforge::cuda
