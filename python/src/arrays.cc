@@ -1,5 +1,11 @@
 #include "arrays.h"
 
+#if ATTNFORGE_NUMPY_API
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL attnforge_numpy_api
+#include <numpy/arrayobject.h>
+#endif
+
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
@@ -111,6 +117,7 @@ bool dlpack_view(nb::handle obj, const char* name, TensorView& out, const DLData
   return true;
 }
 
+#if !ATTNFORGE_NUMPY_API
 // numpy arrays of ml_dtypes types: numpy's DLPack export refuses them, so they are viewed as unsigned integers of
 // the same size and relabelled.
 bool ml_dtypes_view(nb::handle obj, const char* name, TensorView& out) {
@@ -132,13 +139,80 @@ bool ml_dtypes_view(nb::handle obj, const char* name, TensorView& out) {
   else return false;
   return dlpack_view(obj.attr("view")(nb::str(as_int)), name, out, &real);
 }
+#endif
+
+#if ATTNFORGE_NUMPY_API
+// numpy arrays read through numpy's C API: a few field reads instead of a DLPack capsule per call, and the
+// ml_dtypes types (which numpy's DLPack export refuses) recognized by their scalar types.
+bool numpy_view(nb::handle obj, const char* name, TensorView& out) {
+  if (!PyArray_Check(obj.ptr())) return false;
+  auto* a = reinterpret_cast<PyArrayObject*>(obj.ptr());
+  const PyArray_Descr* d = PyArray_DESCR(a);
+  DLDataType dt{};
+  switch (d->type_num) {
+    case NPY_FLOAT32: dt = {kDLFloat, 32, 1}; break;
+    case NPY_FLOAT16: dt = {kDLFloat, 16, 1}; break;
+    case NPY_FLOAT64: dt = {kDLFloat, 64, 1}; break;
+    case NPY_INT32: dt = {kDLInt, 32, 1}; break;
+    case NPY_INT64: dt = {kDLInt, 64, 1}; break;
+    case NPY_UINT8: dt = {kDLUInt, 8, 1}; break;
+    case NPY_INT8: dt = {kDLInt, 8, 1}; break;
+    case NPY_INT16: dt = {kDLInt, 16, 1}; break;
+    default: {
+      static PyObject *bf16 = nullptr, *e4m3 = nullptr, *e5m2 = nullptr;
+      if (bf16 == nullptr) {
+        PyObject* ml = PyDict_GetItemString(PyImport_GetModuleDict(), "ml_dtypes");  // borrowed
+        if (ml == nullptr) return false;
+        nb::handle m(ml);
+        bf16 = m.attr("bfloat16").ptr(), e4m3 = m.attr("float8_e4m3fn").ptr(), e5m2 = m.attr("float8_e5m2").ptr();
+      }
+      const auto* type = reinterpret_cast<PyObject*>(d->typeobj);
+      if (type == bf16) dt = {kDLBfloat, 16, 1};
+      else if (type == e4m3) dt = {kDLFloat8E4M3FN, 8, 1};
+      else if (type == e5m2) dt = {kDLFloat8E5M2, 8, 1};
+      else return false;  // DLPack import reports it
+    }
+  }
+  const int ndim = PyArray_NDIM(a);
+  if (ndim > kMaxDims) detail::fail_arg("{}: {} dimensions; expected 0 to {}", name, ndim, kMaxDims);
+  const int64_t itemsize = PyArray_ITEMSIZE(a);
+  int64_t shape[kMaxDims], strides[kMaxDims];
+  for (int i = 0; i < ndim; ++i) {
+    shape[i] = PyArray_DIMS(a)[i];
+    const int64_t bytes = PyArray_STRIDES(a)[i];
+    if (bytes % itemsize != 0)
+      detail::fail_arg("{}: stride of {} bytes in dimension {} is not a multiple of the element size {}", name, bytes,
+                       i, itemsize);
+    strides[i] = bytes / itemsize;
+  }
+  DLTensor dl{};
+  dl.data = PyArray_DATA(a);
+  dl.device = {kDLCPU, 0};
+  dl.ndim = ndim;
+  dl.dtype = dt;
+  dl.shape = shape;
+  dl.strides = strides;
+  out = from_dlpack(dl, name);
+  return true;
+}
+#endif
 
 }  // namespace
+
+void init_arrays() {
+#if ATTNFORGE_NUMPY_API
+  if (_import_array() < 0) throw nb::python_error();
+#endif
+}
 
 TensorView view_of(nb::handle obj, const char* name) {
   TensorView v;
   if (obj.is_none()) detail::fail_arg("{}: None; expected an array", name);
+#if ATTNFORGE_NUMPY_API
+  if (numpy_view(obj, name, v) || torch_view(obj, name, v) || dlpack_view(obj, name, v)) return v;
+#else
   if (torch_view(obj, name, v) || ml_dtypes_view(obj, name, v) || dlpack_view(obj, name, v)) return v;
+#endif
   // Let the DLPack exporter explain itself (e.g. "unsupported dtype"), then name the argument.
   std::string why;
   if (nb::hasattr(obj, "__dlpack__")) {

@@ -57,6 +57,7 @@ void single_attention(PlanKind kind, nb::handle q, nb::handle k, nb::handle v, K
 
 NB_MODULE(_C, m) {
   m.doc() = "attnforge C++ library bindings (use the attnforge package, not this module)";
+  python::init_arrays();
   nb::register_exception_translator(translate_error);
   m.def("_set_error_types", [](nb::tuple types) {
     if (types.size() != 5) throw nb::value_error("expected 5 exception types, one per attnforge::ErrorKind");

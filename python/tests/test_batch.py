@@ -181,3 +181,26 @@ def test_split_kv_uses_the_workspace(rng):
     # Deterministic splits (FlashInfer's fixed_split_size, in pages) give the same values.
     wrapper.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE, q_data_type="float32", fixed_split_size=64)
     assert_close(wrapper.run(q, (k_cache, v_cache)), _reference(q64, np.arange(2), k_seq, v_seq)[0], "float32")
+
+
+class _DLPackOnly:
+    """An array that offers nothing but the DLPack protocol (as jax or a framework without a shortcut would)."""
+
+    def __init__(self, a):
+        self._a = a
+        self.shape, self.dtype = a.shape, a.dtype
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_any_dlpack_producer(rng, workspace):
+    q, q64, k_cache, v_cache, indptr, indices, last, k_seq, v_seq = _decode_inputs(rng, "float32", "NHD")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    wrapper.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE, q_data_type="float32")
+    out = np.zeros((len(KV_LENS), HEADS, DIM), np.float32)
+    wrapper.run(_DLPackOnly(q), (_DLPackOnly(k_cache), _DLPackOnly(v_cache)), out=_DLPackOnly(out))
+    assert_close(out, _reference(q64, np.arange(len(KV_LENS) + 1), k_seq, v_seq)[0], "float32")
