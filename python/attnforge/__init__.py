@@ -4,7 +4,7 @@ The FlashInfer-compatible subset works by changing one import (``import attnforg
 differences are listed in docs/python-compat.md. Arrays go in and out through DLPack (numpy with ml_dtypes for
 bfloat16 and fp8, torch, cupy); torch is not a dependency.
 """
-from . import _C
+from . import _C, _torch
 from ._errors import (BackendError, Error, InvalidArgumentError, PlanMismatchError, UnsupportedError,
                       WorkspaceError)
 from .cascade import merge_state, merge_states
@@ -26,6 +26,7 @@ __all__ = [
     "build_info", "cuda_available",
 ]
 __version__ = _C.version()
+_torch.ensure_registered()
 
 
 def build_info():

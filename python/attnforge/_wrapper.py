@@ -1,6 +1,4 @@
 """What the three batch wrappers share: the workspace, plan() into the C++ BatchAttention, and run()."""
-import sys
-
 import numpy as np
 
 from . import _C, _torch
@@ -8,6 +6,8 @@ from ._arrays import current_stream, device_of, dtype_name, dtype_of, empty, hos
 from ._errors import invalid
 
 _FLOAT32 = _C.DType.float32
+_PLACEMENT_ORDER = ("kv_indptr", "last_page_len", "seq_lens", "alibi_slopes", "mask_indptr", "kv_indices",
+                    "block_table", "mask")
 
 
 def kv_lengths_paged(indptr, last_page_len, page_size):
@@ -109,7 +109,10 @@ class BatchWrapper:
             elif batch_size != self._fixed_batch_size:
                 raise invalid(f"batch size: {batch_size}; this wrapper runs in CUDA-graph mode and was planned for "
                               f"{self._fixed_batch_size} (use one wrapper per batch size)")
-        items = [(name, host, self._buffers.get(name)) for name, host in metadata.items() if host is not None]
+        # Arrays of a fixed size for a batch size first, so that their device addresses, which a captured CUDA graph
+        # holds, stay put when a re-plan has more pages (the variable-size arrays come last).
+        items = [(name, metadata[name], self._buffers.get(name)) for name in _PLACEMENT_ORDER
+                 if metadata.get(name) is not None]
         if stream is None:
             stream = current_stream(self._float_workspace_buffer, self._device_index) if self._on_cuda else 0
         _torch.ensure_registered()
@@ -122,9 +125,7 @@ class BatchWrapper:
         self._o_dtype = shape.o_dtype
         self._cached_q_data_type = shape.q_dtype
         self._cached_kv_data_type = shape.kv_dtype
-        self._torch_o_dtype = None
-        if "torch" in sys.modules:
-            self._torch_o_dtype = getattr(sys.modules["torch"], dtype_name(shape.o_dtype))
+        self._o_dtype_name = dtype_name(shape.o_dtype)
         self._planned = True
 
     def _run(self, q, kv_a, kv_b, out, lse, return_lse, stream, sm_scale, window_left, logits_soft_cap, q_scale,
