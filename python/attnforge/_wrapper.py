@@ -73,7 +73,7 @@ class BatchWrapper:
     def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None):
         """Replaces the workspace (plan() again before run()). attnforge has no int workspace: that argument is
         accepted and unused."""
-        self.__init__(float_workspace_buffer, self._kv_layout, self._use_cuda_graph, self._buffers)
+        BatchWrapper.__init__(self, float_workspace_buffer, self._kv_layout, self._use_cuda_graph, self._buffers)
 
     def _plan(self, *, kind, kv_format, page_size, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
               q_data_type, kv_data_type, o_data_type, qo_indptr, metadata, options, fixed_split_tokens,

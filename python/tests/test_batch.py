@@ -169,6 +169,16 @@ def test_replan_reuses_wrapper(rng, workspace):
         assert_close(wrapper.run(q, (k_cache, v_cache)), ref, "float32")
 
 
+def test_reset_workspace_buffer(rng, workspace):
+    q, q64, k_cache, v_cache, indptr, indices, last, k_seq, v_seq = _decode_inputs(rng, "float32", "HND")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(np.zeros(16, np.uint8), "HND", use_tensor_cores=True)
+    wrapper.reset_workspace_buffer(workspace, np.zeros(16, np.uint8))
+    assert wrapper.use_tensor_cores
+    wrapper.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE, q_data_type="float32")
+    assert_close(wrapper.run(q, (k_cache, v_cache)), _reference(q64, np.arange(len(KV_LENS) + 1), k_seq, v_seq)[0],
+                 "float32")
+
+
 def test_split_kv_uses_the_workspace(rng):
     # One long request on many threads: the planner splits its KV and merges partial states in the workspace.
     kv_lens = [3000]
