@@ -3,6 +3,9 @@
 # headers that scripts/device-check carries along. fmt is always used header-only, so no binary depends on a
 # libfmt of one distribution.
 set(ATTNFORGE_DEPS_DIR "" CACHE PATH "Folder whose include/ holds fmt, CLI11, nlohmann/json and dlpack headers")
+if(NOT ATTNFORGE_DEPS_DIR AND EXISTS ${CMAKE_SOURCE_DIR}/.deps/include)
+  set(ATTNFORGE_DEPS_DIR ${CMAKE_SOURCE_DIR}/.deps)  # the copy scripts/device-check documents (pip builds too)
+endif()
 
 function(attnforge_header_dep name header)
   find_path(${name}_INCLUDE_DIR ${header} HINTS ${ATTNFORGE_DEPS_DIR}/include)
@@ -17,6 +20,8 @@ endfunction()
 attnforge_header_dep(fmt fmt/format.h)
 target_compile_definitions(attnforge_dep_fmt INTERFACE FMT_HEADER_ONLY=1)
 attnforge_header_dep(dlpack dlpack/dlpack.h)
-attnforge_header_dep(cli11 CLI/CLI.hpp)
-attnforge_header_dep(json nlohmann/json.hpp)
+if(ATTNFORGE_BUILD_CLI)
+  attnforge_header_dep(cli11 CLI/CLI.hpp)
+  attnforge_header_dep(json nlohmann/json.hpp)
+endif()
 find_package(Threads REQUIRED)
