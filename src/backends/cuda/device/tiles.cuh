@@ -70,7 +70,11 @@ __device__ __forceinline__ void row_kv_range(const VariantParams& vp, const Work
 // chunk column. Page lookups are the only dependent global loads of the stream: fetch_pages(t) loads the page
 // ids of tile t into registers, one tile before load(t) issues the copies, so their latency hides behind the
 // compute of a tile. Tokens past `last` are zero-filled and never read.
-template <int D, int kTileTokens, int kThreads>
+// kPageSlots = 0 keeps the fetched ids in registers (kLoadRows per thread); kPageSlots = S > 0 keeps them in a
+// shared array of S x kTileTokens ints (`slots`), one id fetched per token, which frees those registers for
+// kernels that need them. With shared slots, a barrier must separate fetch_pages(t) from load(t) (the main
+// loop's barrier does; the prologue needs one), and S must be the number of pipeline stages.
+template <int D, int kTileTokens, int kThreads, int kPageSlots = 0>
 struct KVTileLoader {
   static constexpr int kChunks = D / 8;
   static constexpr int kRowGroups = kThreads / kChunks;
@@ -81,10 +85,12 @@ struct KVTileLoader {
   int64_t page_list;
   int first, last, kv_head, page_shift;
   bool page_pow2;
-  int32_t pages[kLoadRows];  // page ids (ragged: packed rows) of the rows this thread copies next
+  int32_t pages[kPageSlots > 0 ? 1 : kLoadRows];  // page ids (ragged: packed rows) of the rows copied next
+  int32_t* slots;                                   // shared page-id slots (kPageSlots > 0)
 
-  __device__ __forceinline__ KVTileLoader(const KVParams& kv_, int request, int kv_head_, int first_, int last_)
-      : kv(kv_), first(first_), last(last_), kv_head(kv_head_) {
+  __device__ __forceinline__ KVTileLoader(const KVParams& kv_, int request, int kv_head_, int first_, int last_,
+                                          int32_t* slots_ = nullptr)
+      : kv(kv_), first(first_), last(last_), kv_head(kv_head_), slots(slots_) {
     page_list = kv.format == KVFormat::kBlockTable ? static_cast<int64_t>(request) * kv.page_list_stride
                                                    : static_cast<int64_t>(kv.page_list_indptr[request]);
     // Page sizes are almost always powers of two; shifts then replace two integer divisions per row and tile.
@@ -93,13 +99,18 @@ struct KVTileLoader {
   }
   __device__ __forceinline__ int row(int k) const { return threadIdx.x / kChunks + k * kRowGroups; }
 
+  __device__ __forceinline__ int32_t page_of(int token) const {
+    const int index = page_pow2 ? token >> page_shift : token / kv.page_size;
+    return kv.format == KVFormat::kRagged ? static_cast<int32_t>(page_list + token) : kv.page_ids[page_list + index];
+  }
+
   __device__ __forceinline__ void fetch_pages(int t) {
-    #pragma unroll
-    for (int k = 0; k < kLoadRows; ++k) {
-      const int token = min(first + t * kTileTokens + row(k), last - 1);
-      const int index = page_pow2 ? token >> page_shift : token / kv.page_size;
-      pages[k] = kv.format == KVFormat::kRagged ? static_cast<int32_t>(page_list + token)
-                                                : kv.page_ids[page_list + index];
+    if constexpr (kPageSlots > 0) {
+      for (int i = threadIdx.x; i < kTileTokens; i += kThreads)
+        slots[(t % kPageSlots) * kTileTokens + i] = page_of(min(first + t * kTileTokens + i, last - 1));
+    } else {
+      #pragma unroll
+      for (int k = 0; k < kLoadRows; ++k) pages[k] = page_of(min(first + t * kTileTokens + row(k), last - 1));
     }
   }
 
@@ -116,8 +127,9 @@ struct KVTileLoader {
       const uint16_t* ksrc = static_cast<const uint16_t*>(kv.k);
       const uint16_t* vsrc = static_cast<const uint16_t*>(kv.v);
       if (valid) {
-        ksrc += static_cast<int64_t>(pages[k]) * kv.k_stride_page + slot * kv.k_stride_token + kv_head * kv.k_stride_head + chunk * 8;
-        vsrc += static_cast<int64_t>(pages[k]) * kv.v_stride_page + slot * kv.v_stride_token + kv_head * kv.v_stride_head + chunk * 8;
+        const int64_t page = kPageSlots > 0 ? slots[(t % kPageSlots) * kTileTokens + r] : pages[k];
+        ksrc += page * kv.k_stride_page + slot * kv.k_stride_token + kv_head * kv.k_stride_head + chunk * 8;
+        vsrc += page * kv.v_stride_page + slot * kv.v_stride_token + kv_head * kv.v_stride_head + chunk * 8;
       }
       cp_async_16(sK + swizzle<D>(r, chunk), ksrc, valid ? 16 : 0);
       cp_async_16(sV + swizzle<D>(r, chunk), vsrc, valid ? 16 : 0);

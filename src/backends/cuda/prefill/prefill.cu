@@ -1,6 +1,8 @@
 // Instantiations and launch of the prefill kernels; split-KV items are merged by the shared merge kernel.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/kernel_config.h"
 #include "backends/cuda/merge/merge.h"
@@ -18,18 +20,27 @@ int configure() {
   return ctas_per_sm;
 }
 
-template <int D, typename Elem>
+template <int D, typename Elem, int N>
 void launch(const AttentionParams& p, const PrefillLaunch& l, cudaStream_t stream) {
-  using Tr = PrefillTraits<D, Elem>;
+  using Tr = PrefillTraits<D, Elem, N>;
   configure<Tr>();
   const dim3 grid(l.item_capacity > 0 ? l.item_capacity : 1, p.num_kv_heads, l.row_blocks);
   prefill_kernel<Tr><<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   ATTNFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
-template <int D>
+template <int D, int N = prefill_tile_tokens(D)>
 void launch_dtype(const AttentionParams& p, const PrefillLaunch& l, cudaStream_t stream) {
-  p.q_dtype == DType::kBFloat16 ? launch<D, Bf16>(p, l, stream) : launch<D, F16>(p, l, stream);
+  p.q_dtype == DType::kBFloat16 ? launch<D, Bf16, N>(p, l, stream) : launch<D, F16, N>(p, l, stream);
+}
+
+// EXPERIMENT (to be removed): ATTNFORGE_PREFILL_TILE_TOKENS=64 runs head_dim 128 with 64-token stages.
+int tile_tokens_override() {
+  static const int n = [] {
+    const char* e = std::getenv("ATTNFORGE_PREFILL_TILE_TOKENS");
+    return e ? std::atoi(e) : 0;
+  }();
+  return n;
 }
 
 }  // namespace
@@ -46,7 +57,9 @@ int prefill_ctas_per_sm(int head_dim) {
 void run_prefill(const AttentionParams& p, const PrefillLaunch& launch, cudaStream_t stream) {
   switch (p.head_dim_qk) {
     case 64: launch_dtype<64>(p, launch, stream); break;
-    case 128: launch_dtype<128>(p, launch, stream); break;
+    case 128:
+      tile_tokens_override() == 64 ? launch_dtype<128, 64>(p, launch, stream) : launch_dtype<128>(p, launch, stream);
+      break;
     case 256: launch_dtype<256>(p, launch, stream); break;
     default: break;  // rejected by CudaBackend::check before any launch
   }

@@ -17,7 +17,7 @@
 
 namespace attnforge::cuda {
 
-template <int kHeadDim_, typename Elem_>
+template <int kHeadDim_, typename Elem_, int kStageTokens_ = prefill_tile_tokens(kHeadDim_)>
 struct PrefillTraits {
   using Elem = Elem_;  // Bf16 or F16: Q and K/V element type, and the mma operand type
   static constexpr int kHeadDim = kHeadDim_;
@@ -26,26 +26,29 @@ struct PrefillTraits {
   static constexpr int kMTiles = prefill_m_tiles(kHeadDim);
   static constexpr int kWarpRows = 16 * kMTiles;
   static constexpr int kRows = prefill_rows(kHeadDim);
-  static constexpr int kTileTokens = prefill_tile_tokens(kHeadDim);
+  static constexpr int kTileTokens = prefill_tile_tokens(kHeadDim);  // K/V tokens per softmax step
+  static constexpr int kStageTokens = kStageTokens_;  // K/V tokens per pipeline stage (a multiple of the above)
   // Three stages where they fit two CTAs per SM (80 KB at head_dim 128), two at head_dim 256 (96 KB).
-  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
-  static constexpr int kTileElems = kTileTokens * kHeadDim;
+  static constexpr int kStages = kHeadDim <= 128 && kStageTokens == kTileTokens ? 3 : 2;
+  static constexpr int kStageElems = kStageTokens * kHeadDim;
   // Shared memory: Q, then K stages, then V stages (16-bit elements).
-  static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * kStages * kTileElems);
+  static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * kStages * kStageElems);
   static constexpr int kMinBlocksPerSM = 2;
   static_assert(kRows == kWarps * kWarpRows, "rows are split evenly over the warps");
   static_assert(kHeadDim % 16 == 0 && kTileTokens % 16 == 0, "mma k16 steps");
+  static_assert(kStageTokens % kTileTokens == 0, "a stage holds whole softmax steps");
 };
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_kernel(const AttentionParams p) {
   using Elem = typename Tr::Elem;
-  constexpr int D = Tr::kHeadDim, M = Tr::kMTiles, N = Tr::kTileTokens;
+  constexpr int D = Tr::kHeadDim, M = Tr::kMTiles, N = Tr::kTileTokens, NS = Tr::kStageTokens;
   extern __shared__ __align__(128) uint16_t smem[];
   __shared__ int s_bounds[2][Tr::kWarps];
+  __shared__ int32_t s_pages[Tr::kStages * NS];  // page ids of the tiles in flight
   uint16_t* sQ = smem;
   uint16_t* sK = sQ + Tr::kRows * D;
-  uint16_t* sV = sK + Tr::kStages * Tr::kTileElems;
+  uint16_t* sV = sK + Tr::kStages * Tr::kStageElems;
 
   const PlanView& plan = *p.plan;
   const KVParams& kv = p.kv;
@@ -100,15 +103,16 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
     #pragma unroll
     for (int w = 0; w < Tr::kWarps; ++w)
       if (s_bounds[0][w] < s_bounds[1][w]) range_lo = min(range_lo, s_bounds[0][w]), range_hi = max(range_hi, s_bounds[1][w]);
-    const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
+    const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + NS - 1) / NS : 0;  // pipeline stages
 
-    KVTileLoader<D, N, Tr::kThreads> loader(kv, b, kv_head, range_lo, range_hi);
+    KVTileLoader<D, NS, Tr::kThreads, Tr::kStages> loader(kv, b, kv_head, range_lo, range_hi, s_pages);
+    #pragma unroll
+    for (int s = 0; s < Tr::kStages - 1; ++s)
+      if (s < num_tiles) loader.fetch_pages(s);
+    __syncthreads();  // the page ids of the first tiles are in shared memory
     #pragma unroll
     for (int s = 0; s < Tr::kStages - 1; ++s) {
-      if (s < num_tiles) {
-        loader.fetch_pages(s);
-        loader.load(s, sK + s * Tr::kTileElems, sV + s * Tr::kTileElems);
-      }
+      if (s < num_tiles) loader.load(s, sK + s * Tr::kStageElems, sV + s * Tr::kStageElems);
       cp_async_commit();  // the first group carries Q as well
     }
     if (Tr::kStages - 1 < num_tiles) loader.fetch_pages(Tr::kStages - 1);
@@ -133,126 +137,132 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
       const int next = t + Tr::kStages - 1;
       if (next < num_tiles) {
         const int s = next % Tr::kStages;
-        loader.load(next, sK + s * Tr::kTileElems, sV + s * Tr::kTileElems);
+        loader.load(next, sK + s * Tr::kStageElems, sV + s * Tr::kStageElems);
         if (next + 1 < num_tiles) loader.fetch_pages(next + 1);
       }
       cp_async_commit();
 
-      const int tile_start = range_lo + t * N;
-      if (tile_start >= w_hi || tile_start + N <= w_lo) continue;  // no row of this warp sees the tile
-      const uint16_t* k_tile = sK + (t % Tr::kStages) * Tr::kTileElems;
-      const uint16_t* v_tile = sV + (t % Tr::kStages) * Tr::kTileElems;
+      #pragma unroll 1
+      for (int sub = 0; sub < NS / N; ++sub) {  // a real loop: two copies of the body would spill
+        const int tile_start = range_lo + t * NS + sub * N;
+        if (tile_start >= w_hi || tile_start + N <= w_lo) continue;  // no row of this warp sees the tile
+        const uint16_t* k_tile = sK + (t % Tr::kStages) * Tr::kStageElems + sub * N * D;
+        const uint16_t* v_tile = sV + (t % Tr::kStages) * Tr::kStageElems + sub * N * D;
 
-      // S = Q K^T: kMTiles x (N / 8) accumulator tiles; each K fragment feeds kMTiles mma.
-      float s_acc[M][N / 8][4];
-      #pragma unroll
-      for (int mt = 0; mt < M; ++mt)
-        #pragma unroll
-        for (int n = 0; n < N / 8; ++n) s_acc[mt][n][0] = s_acc[mt][n][1] = s_acc[mt][n][2] = s_acc[mt][n][3] = 0.f;
-      #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[M][4];
+        // S = Q K^T: kMTiles x (N / 8) accumulator tiles; each K fragment feeds kMTiles mma.
+        float s_acc[M][N / 8][4];
         #pragma unroll
         for (int mt = 0; mt < M; ++mt)
-          ldmatrix_x4(a[mt], sQ + q_lane.at(kk) + 16 * mt * D);
-        #pragma unroll
-        for (int np = 0; np < N / 16; ++np) {
-          uint32_t bk[4];
-          ldmatrix_x4(bk, k_tile + k_lane.at(kk) + 16 * np * D);
           #pragma unroll
-          for (int mt = 0; mt < M; ++mt) {
-            mma_16816(s_acc[mt][2 * np], a[mt], bk[0], bk[1], Elem{});
-            mma_16816(s_acc[mt][2 * np + 1], a[mt], bk[2], bk[3], Elem{});
+          for (int n = 0; n < N / 8; ++n) s_acc[mt][n][0] = s_acc[mt][n][1] = s_acc[mt][n][2] = s_acc[mt][n][3] = 0.f;
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t a[M][4];
+          #pragma unroll
+          for (int mt = 0; mt < M; ++mt)
+            ldmatrix_x4(a[mt], sQ + q_lane.at(kk) + 16 * mt * D);
+          #pragma unroll
+          for (int np = 0; np < N / 16; ++np) {
+            uint32_t bk[4];
+            ldmatrix_x4(bk, k_tile + k_lane.at(kk) + 16 * np * D);
+            #pragma unroll
+            for (int mt = 0; mt < M; ++mt) {
+              mma_16816(s_acc[mt][2 * np], a[mt], bk[0], bk[1], Elem{});
+              mma_16816(s_acc[mt][2 * np + 1], a[mt], bk[2], bk[3], Elem{});
+            }
           }
         }
-      }
 
-      // Scale, transform and mask, then the online softmax update (two rows per m tile per thread). Tiles that
-      // every row of the warp sees whole, with no per-element transform or custom mask, skip the masking.
-      const bool plain = !transform && !vp.custom_mask && tile_start >= w_max_lo && tile_start + N <= w_min_hi;
-      #pragma unroll
-      for (int mt = 0; mt < M; ++mt) {
-        float tile_max[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY};
-        if (plain) {
+        // Scale, transform and mask, then the online softmax update (two rows per m tile per thread). Tiles that
+        // every row of the warp sees whole, with no per-element transform or custom mask, skip the masking and keep
+        // raw logits: the scale folds into the exponent's FMA (it is positive, so it commutes with the max).
+        const bool plain = !transform && !vp.custom_mask && tile_start >= w_max_lo && tile_start + N <= w_min_hi;
+        const float s_mul = plain ? scale_log2 : 1.f;  // masked tiles hold logits in log2 units already
+        #pragma unroll
+        for (int mt = 0; mt < M; ++mt) {
+          float tile_max[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY};
+          if (plain) {
+            #pragma unroll
+            for (int n = 0; n < N / 8; ++n)
+              #pragma unroll
+              for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s_acc[mt][n][e]);
+            tile_max[0] *= scale_log2;
+            tile_max[1] *= scale_log2;
+          } else {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int r = warp_row0 + 16 * mt + lane / 4 + 8 * h;
+              const QueryRow q = query_row(it, row0 + r, group, kv_head);
+              const int q_pos = query_position(q.tok, qo_len, kv_len);
+              int lo, hi;
+              row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &lo, &hi);
+              #pragma unroll
+              for (int n = 0; n < N / 8; ++n)
+                #pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                  const int j = tile_start + n * 8 + 2 * (lane % 4) + (e % 2);
+                  float x = s_acc[mt][n][e];
+                  bool allowed = j >= lo && j < hi;
+                  if (allowed && transform)
+                    x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, q.head, q_pos, j) * kLog2e;
+                  else
+                    x *= scale_log2;
+                  if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, q.tok, j, kv_len);
+                  x = allowed ? x : -ATTNFORGE_INFINITY;
+                  s_acc[mt][n][e] = x;
+                  tile_max[h] = fmaxf(tile_max[h], x);
+                }
+            }
+          }
+          // A row that has seen no allowed key yet keeps m = -inf and subtracts 0 instead: its masked logits
+          // (-inf) give p = 0, and its o and l are still zero, whatever the correction.
+          float corr[2], m_sub[2];
+          #pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float m_new = fmaxf(m_run[mt][h], warp_max_quad(tile_max[h]));
+            m_sub[h] = m_new == -ATTNFORGE_INFINITY ? 0.f : m_new;
+            corr[h] = fast_exp2(m_run[mt][h] - m_sub[h]);
+            m_run[mt][h] = m_new;
+            l_run[mt][h] *= corr[h];
+          }
           #pragma unroll
           for (int n = 0; n < N / 8; ++n)
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              s_acc[mt][n][e] *= scale_log2;
-              tile_max[e / 2] = fmaxf(tile_max[e / 2], s_acc[mt][n][e]);
+              const float pr = fast_exp2(fmaf(s_acc[mt][n][e], s_mul, -m_sub[e / 2]));
+              s_acc[mt][n][e] = pr;
+              l_run[mt][e / 2] += pr;
             }
-        } else {
-          #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = warp_row0 + 16 * mt + lane / 4 + 8 * h;
-            const QueryRow q = query_row(it, row0 + r, group, kv_head);
-            const int q_pos = query_position(q.tok, qo_len, kv_len);
-            int lo, hi;
-            row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &lo, &hi);
+          // Once the running maxima settle, most tiles move none of them: skip the rescale then.
+          if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
             #pragma unroll
-            for (int n = 0; n < N / 8; ++n)
-              #pragma unroll
-              for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                const int j = tile_start + n * 8 + 2 * (lane % 4) + (e % 2);
-                float x = s_acc[mt][n][e];
-                bool allowed = j >= lo && j < hi;
-                if (allowed && transform)
-                  x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, q.head, q_pos, j) * kLog2e;
-                else
-                  x *= scale_log2;
-                if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, q.tok, j, kv_len);
-                x = allowed ? x : -ATTNFORGE_INFINITY;
-                s_acc[mt][n][e] = x;
-                tile_max[h] = fmaxf(tile_max[h], x);
-              }
-          }
+            for (int n = 0; n < D / 8; ++n) {
+              o_acc[mt][n][0] *= corr[0], o_acc[mt][n][1] *= corr[0];
+              o_acc[mt][n][2] *= corr[1], o_acc[mt][n][3] *= corr[1];
+            }
         }
-        float corr[2];
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float m_new = fmaxf(m_run[mt][h], warp_max_quad(tile_max[h]));
-          corr[h] = m_new == -ATTNFORGE_INFINITY ? 1.f : exp2f(m_run[mt][h] - m_new);
-          m_run[mt][h] = m_new;
-          l_run[mt][h] *= corr[h];
-        }
-        #pragma unroll
-        for (int n = 0; n < N / 8; ++n)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int h = e / 2;
-            const float pr = m_run[mt][h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(s_acc[mt][n][e] - m_run[mt][h]);
-            s_acc[mt][n][e] = pr;
-            l_run[mt][h] += pr;
-          }
-        // Once the running maxima settle, most tiles move none of them: skip the rescale then.
-        if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
-          #pragma unroll
-          for (int n = 0; n < D / 8; ++n) {
-            o_acc[mt][n][0] *= corr[0], o_acc[mt][n][1] *= corr[0];
-            o_acc[mt][n][2] *= corr[1], o_acc[mt][n][3] *= corr[1];
-          }
-      }
 
-      // O += P V, 16 tokens per k step: the S accumulators of two n8 tiles are exactly the A fragment of one
-      // k16 step, and each V fragment feeds kMTiles mma.
-      #pragma unroll
-      for (int kt = 0; kt < N / 16; ++kt) {
-        uint32_t a_p[M][4];
+        // O += P V, 16 tokens per k step: the S accumulators of two n8 tiles are exactly the A fragment of one
+        // k16 step, and each V fragment feeds kMTiles mma.
         #pragma unroll
-        for (int mt = 0; mt < M; ++mt) {
-          a_p[mt][0] = pack2(s_acc[mt][2 * kt][0], s_acc[mt][2 * kt][1], Elem{});
-          a_p[mt][1] = pack2(s_acc[mt][2 * kt][2], s_acc[mt][2 * kt][3], Elem{});
-          a_p[mt][2] = pack2(s_acc[mt][2 * kt + 1][0], s_acc[mt][2 * kt + 1][1], Elem{});
-          a_p[mt][3] = pack2(s_acc[mt][2 * kt + 1][2], s_acc[mt][2 * kt + 1][3], Elem{});
-        }
-        #pragma unroll
-        for (int nd = 0; nd < D / 16; ++nd) {
-          uint32_t bv[4];
-          ldmatrix_x4_trans(bv, v_tile + v_lane.at(nd) + 16 * kt * D);
+        for (int kt = 0; kt < N / 16; ++kt) {
+          uint32_t a_p[M][4];
           #pragma unroll
           for (int mt = 0; mt < M; ++mt) {
-            mma_16816(o_acc[mt][2 * nd], a_p[mt], bv[0], bv[1], Elem{});
-            mma_16816(o_acc[mt][2 * nd + 1], a_p[mt], bv[2], bv[3], Elem{});
+            a_p[mt][0] = pack2(s_acc[mt][2 * kt][0], s_acc[mt][2 * kt][1], Elem{});
+            a_p[mt][1] = pack2(s_acc[mt][2 * kt][2], s_acc[mt][2 * kt][3], Elem{});
+            a_p[mt][2] = pack2(s_acc[mt][2 * kt + 1][0], s_acc[mt][2 * kt + 1][1], Elem{});
+            a_p[mt][3] = pack2(s_acc[mt][2 * kt + 1][2], s_acc[mt][2 * kt + 1][3], Elem{});
+          }
+          #pragma unroll
+          for (int nd = 0; nd < D / 16; ++nd) {
+            uint32_t bv[4];
+            ldmatrix_x4_trans(bv, v_tile + v_lane.at(nd) + 16 * kt * D);
+            #pragma unroll
+            for (int mt = 0; mt < M; ++mt) {
+              mma_16816(o_acc[mt][2 * nd], a_p[mt], bv[0], bv[1], Elem{});
+              mma_16816(o_acc[mt][2 * nd + 1], a_p[mt], bv[2], bv[3], Elem{});
+            }
           }
         }
       }
