@@ -126,6 +126,6 @@ def test_cuda_errors(rng):
     with pytest.raises(flashinfer.WorkspaceError, match=r"float_workspace_buffer: \d+ usable bytes.*needs \d+"):
         small.plan(*meta, HEADS, KV_HEADS, DIM, PAGE, q_data_type=torch.bfloat16)
     prefill = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.zeros(1 << 20, dtype=torch.uint8, device="cuda"))
-    with pytest.raises(flashinfer.UnsupportedError, match="prefill"):
+    with pytest.raises(flashinfer.UnsupportedError, match="head_dim 96/96"):
         prefill.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32), HEADS,
-                     KV_HEADS, DIM, q_data_type=torch.bfloat16)
+                     KV_HEADS, 96, q_data_type=torch.bfloat16)

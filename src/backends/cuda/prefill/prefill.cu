@@ -1,8 +1,6 @@
 // Instantiations and launch of the prefill kernels; split-KV items are merged by the shared merge kernel.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/kernel_config.h"
 #include "backends/cuda/merge/merge.h"
@@ -34,15 +32,6 @@ void launch_dtype(const AttentionParams& p, const PrefillLaunch& l, cudaStream_t
   p.q_dtype == DType::kBFloat16 ? launch<D, Bf16, N>(p, l, stream) : launch<D, F16, N>(p, l, stream);
 }
 
-// EXPERIMENT (to be removed): ATTNFORGE_PREFILL_TILE_TOKENS=64 runs head_dim 128 with 64-token stages.
-int tile_tokens_override() {
-  static const int n = [] {
-    const char* e = std::getenv("ATTNFORGE_PREFILL_TILE_TOKENS");
-    return e ? std::atoi(e) : 0;
-  }();
-  return n;
-}
-
 }  // namespace
 
 int prefill_ctas_per_sm(int head_dim) {
@@ -57,9 +46,7 @@ int prefill_ctas_per_sm(int head_dim) {
 void run_prefill(const AttentionParams& p, const PrefillLaunch& launch, cudaStream_t stream) {
   switch (p.head_dim_qk) {
     case 64: launch_dtype<64>(p, launch, stream); break;
-    case 128:
-      tile_tokens_override() == 64 ? launch_dtype<128, 64>(p, launch, stream) : launch_dtype<128>(p, launch, stream);
-      break;
+    case 128: launch_dtype<128>(p, launch, stream); break;
     case 256: launch_dtype<256>(p, launch, stream); break;
     default: break;  // rejected by CudaBackend::check before any launch
   }
