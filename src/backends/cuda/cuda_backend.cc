@@ -6,10 +6,12 @@
 #include <mutex>
 #include <vector>
 
+#include "attnforge/jit.h"
 #include "backends/backend.h"
 #include "backends/cuda/cuda_check.h"
-#include "core/check.h"
 #include "backends/cuda/decode/decode.h"
+#include "backends/cuda/jit_decode.h"
+#include "core/check.h"
 #include "core/shape.h"
 
 namespace attnforge::detail {
@@ -79,8 +81,15 @@ class CudaBackend final : public Backend {
     return {};
   }
 
+  // With the NVRTC-compiled kernels this compiles (or loads) the shape's kernel: plan() pays for it, run() and
+  // graph capture find it loaded.
   int32_t num_workers(const AttentionShape& shape) const override {
-    return sms_ * cuda::decode_ctas_per_sm(normalized(shape).head_dim_qk);
+    const AttentionShape s = normalized(shape);
+    if (jit::cuda_kernels() == jit::CudaKernels::kNvrtc) {
+      DeviceGuard guard(device_);
+      return sms_ * jit_decode().ctas_per_sm(s);
+    }
+    return sms_ * cuda::decode_ctas_per_sm(s.head_dim_qk);
   }
   // One mma M tile: query tokens x group heads of a decode item.
   int32_t target_tile_rows() const override { return 16; }
@@ -109,9 +118,11 @@ class CudaBackend final : public Backend {
       expect_stride(p.kv.v_stride_token, "kv.v (token)");
     }
     DeviceGuard guard(device_);
-    const int group = p.num_qo_heads / p.num_kv_heads;
-    cuda::DecodeLaunch launch{p.item_capacity, p.merge_capacity, (p.qo_tile * group + 15) / 16};
-    cuda::run_decode(p, launch, static_cast<cudaStream_t>(stream));
+    if (jit::cuda_kernels() == jit::CudaKernels::kNvrtc) {
+      jit_decode().run(p, static_cast<cudaStream_t>(stream));
+    } else {
+      cuda::run_decode(p, static_cast<cudaStream_t>(stream));
+    }
   }
 
   void merge_states(const MergeStatesParams&, Stream) override { unsupported("merge_state(s)"); }
@@ -124,8 +135,16 @@ class CudaBackend final : public Backend {
          device_);
   }
 
+  // Created on first use: NVRTC and the driver API are touched only when the NVRTC-compiled kernels are chosen.
+  cuda::JitDecode& jit_decode() const {
+    std::call_once(jit_once_, [&] { jit_ = std::make_unique<cuda::JitDecode>(device_, major_, minor_); });
+    return *jit_;
+  }
+
   int device_;
   int sms_ = 0, major_ = 0, minor_ = 0;
+  mutable std::once_flag jit_once_;
+  mutable std::unique_ptr<cuda::JitDecode> jit_;
 };
 
 }  // namespace
