@@ -10,8 +10,8 @@
 #include "core/check.h"
 #if ATTNFORGE_WITH_CUDA
 #include "backends/cuda/device_info.h"
-#include "jit/kernel_cache.h"
 #include "jit/kernel_key.h"
+#include "jit/warmup.h"
 #endif
 
 namespace attnforge::jit {
@@ -56,6 +56,11 @@ WarmupReport warmup(const std::vector<AttentionConfig>&, const WarmupOptions&) {
 }
 #else
 WarmupReport warmup(const std::vector<AttentionConfig>& configs, const WarmupOptions& options) {
+  return warmup_with(process_cache(), current_settings(), configs, options);
+}
+
+WarmupReport warmup_with(KernelCache& cache, const CacheSettings& settings, const std::vector<AttentionConfig>& configs,
+                         const WarmupOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::string> archs = options.archs;
   if (archs.empty()) {
@@ -94,13 +99,12 @@ WarmupReport warmup(const std::vector<AttentionConfig>& configs, const WarmupOpt
   report.threads = std::min<int32_t>(options.threads > 0 ? options.threads : hw, std::max<int32_t>(1, keys.size()));
   report.kernels.resize(keys.size());
   std::atomic<size_t> next{0};
-  const CacheSettings settings = current_settings();
   auto worker = [&] {
     for (size_t i = next++; i < keys.size(); i = next++) {
       WarmupReport::Kernel& k = report.kernels[i];
       k.name = keys[i].name();
       try {
-        const Lookup l = process_cache().get(keys[i].render(), settings);
+        const Lookup l = cache.get(keys[i].render(), settings);
         k.key = l.key.hex();
         k.origin = to_string(l.origin);
         k.seconds = l.seconds;

@@ -1,4 +1,4 @@
-// `attnforge info` (build, devices, supported configurations) and `attnforge warmup`.
+// `attnforge info`: build, devices, supported configurations.
 #include <fmt/format.h>
 
 #include <string>
@@ -76,13 +76,6 @@ int run_info() {
                d.attention ? "yes" : "no");
   for (const DeviceInfo& d : devices)
     if (d.attention) print_support_table(d.device);
-  return 0;
-}
-
-int run_warmup() {
-  fmt::print("attnforge warmup: nothing to do. The CPU backend is compiled ahead of time, so it has no kernels to "
-             "compile; run-time compilation of CUDA kernels (NVRTC), which this command will warm, arrives with that "
-             "work.\n");
   return 0;
 }
 

@@ -24,6 +24,7 @@ DriverApi load() {
   DriverApi d{};
   resolve(lib, "cuModuleLoadData", &d.cuModuleLoadData);
   resolve(lib, "cuModuleGetFunction", &d.cuModuleGetFunction);
+  resolve(lib, "cuModuleUnload", &d.cuModuleUnload);
   resolve(lib, "cuFuncSetAttribute", &d.cuFuncSetAttribute);
   resolve(lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor", &d.cuOccupancyMaxActiveBlocksPerMultiprocessor);
   resolve(lib, "cuLaunchKernel", &d.cuLaunchKernel);

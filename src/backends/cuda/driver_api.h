@@ -10,6 +10,7 @@ namespace attnforge::cuda {
 struct DriverApi {
   CUresult (*cuModuleLoadData)(CUmodule*, const void*);
   CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
+  CUresult (*cuModuleUnload)(CUmodule);
   CUresult (*cuFuncSetAttribute)(CUfunction, CUfunction_attribute, int);
   CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
