@@ -7,7 +7,7 @@
 //                         ~/.cache/attnforge/kernels); created with mode 0700
 //   ATTNFORGE_CACHE_MODE  on (default) | read-only | off
 //   ATTNFORGE_JIT_LOG     stderr (default) | quiet
-//   ATTNFORGE_KERNELS     nvcc (default) | nvrtc: which build of the CUDA kernels run() launches
+//   ATTNFORGE_KERNELS     nvcc (default) | nvrtc: which build of the CUDA kernels run() launches (read once)
 #pragma once
 
 #include <functional>

@@ -26,7 +26,6 @@ struct Overrides {
   std::optional<CacheMode> mode;
   LogSink log;
   std::optional<bool> quiet;
-  std::optional<CudaKernels> kernels;
 };
 Overrides& overrides() {
   static Overrides o;
@@ -92,19 +91,23 @@ void set_quiet(bool quiet) {
   overrides().quiet = quiet;
 }
 
-void set_cuda_kernels(CudaKernels kernels) {
-  std::lock_guard<std::mutex> lock(overrides().mutex);
-  overrides().kernels = kernels;
-}
-CudaKernels cuda_kernels() {
-  {
-    std::lock_guard<std::mutex> lock(overrides().mutex);
-    if (overrides().kernels) return *overrides().kernels;
-  }
+// Read on every launch, so an atomic rather than the settings' mutex; the environment is read once.
+namespace {
+std::atomic<int> kernels_override{-1};
+CudaKernels kernels_from_env() {
   const std::string v = env("ATTNFORGE_KERNELS");
   if (v.empty() || v == "nvcc") return CudaKernels::kNvcc;
   if (v == "nvrtc") return CudaKernels::kNvrtc;
   detail::fail_arg("ATTNFORGE_KERNELS '{}': expected one of {{nvcc, nvrtc}}", v);
+}
+}  // namespace
+
+void set_cuda_kernels(CudaKernels kernels) { kernels_override.store(static_cast<int>(kernels)); }
+CudaKernels cuda_kernels() {
+  const int o = kernels_override.load(std::memory_order_relaxed);
+  if (o >= 0) return static_cast<CudaKernels>(o);
+  static const CudaKernels from_env = kernels_from_env();
+  return from_env;
 }
 
 }  // namespace attnforge::jit

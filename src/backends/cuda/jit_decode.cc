@@ -2,6 +2,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/decode/decode.h"
+#include "backends/cuda/decode/decode_defaults.cuh"
 #include "backends/cuda/driver_api.h"
 #include "jit/kernel_cache.h"
 
@@ -22,9 +23,9 @@ const JitDecode::Kernels& JitDecode::kernels(const jit::KernelKey& key) {
   const jit::Lookup l = jit::process_cache().get(key.render(), jit::current_settings());
   std::lock_guard<std::mutex> lock(mutex_);
   if (auto it = loaded_.find(name); it != loaded_.end()) return it->second;
-  // The module goes into the device's primary context, the one the runtime API launches the nvcc kernels in.
+  // The module goes into the device's primary context, the one the runtime API launches the nvcc kernels in
+  // (cudaSetDevice creates it if nothing has yet). The caller restores its current device.
   ATTNFORGE_CUDA_CHECK(cudaSetDevice(device_));
-  ATTNFORGE_CUDA_CHECK(cudaFree(nullptr));  // creates the primary context if nothing has yet
   const DriverApi& d = driver();
   CUmodule module;
   ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, l.module->cubin.data()));
@@ -38,11 +39,23 @@ const JitDecode::Kernels& JitDecode::kernels(const jit::KernelKey& key) {
   return loaded_.emplace(name, k).first->second;  // modules stay loaded for the life of the process
 }
 
+const JitDecode::Kernels& JitDecode::kernels_for(const AttentionShape& shape) {
+  const int dim_index = shape.head_dim_qk == 64 ? 0 : shape.head_dim_qk == 128 ? 1 : shape.head_dim_qk == 256 ? 2 : -1;
+  const bool indexed = dim_index >= 0 && shape.kv_dtype == shape.q_dtype &&
+                       (shape.q_dtype == DType::kFloat16 || shape.q_dtype == DType::kBFloat16);
+  if (!indexed) return kernels(key_for(shape));  // throws kUnsupported naming what no kernel serves
+  std::atomic<const Kernels*>& slot = by_shape_[dim_index * 2 + (shape.q_dtype == DType::kBFloat16)];
+  if (const Kernels* k = slot.load(std::memory_order_acquire)) return *k;
+  const Kernels& k = kernels(key_for(shape));
+  slot.store(&k, std::memory_order_release);
+  return k;
+}
+
 void JitDecode::run(const AttentionParams& p, cudaStream_t stream) {
-  AttentionShape shape{p.num_qo_heads, p.num_kv_heads, p.head_dim_qk, p.head_dim_vo, p.q_dtype, p.kv.dtype, p.o_dtype};
-  const jit::KernelKey key = key_for(shape);
-  const Kernels& k = kernels(key);
-  const DecodeLaunchConfig c = decode_launch_config(p, key.tile.stages);
+  const AttentionShape shape{p.num_qo_heads, p.num_kv_heads, p.head_dim_qk, p.head_dim_vo,
+                             p.q_dtype,      p.kv.dtype,     p.o_dtype};
+  const Kernels& k = kernels_for(shape);
+  const DecodeLaunchConfig c = decode_launch_config(p, kDefaultDecodeStages);
   AttentionParams params = p;
   void* args[] = {&params};
   const DriverApi& d = driver();

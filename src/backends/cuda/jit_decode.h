@@ -5,6 +5,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <string>
@@ -29,14 +31,18 @@ class JitDecode {
   jit::KernelKey key_for(const AttentionShape& shape) const;
   const std::string& arch() const { return arch_; }
 
-  int ctas_per_sm(const AttentionShape& shape) { return kernels(key_for(shape)).ctas_per_sm; }
+  int ctas_per_sm(const AttentionShape& shape) { return kernels_for(shape).ctas_per_sm; }
   void run(const AttentionParams& p, cudaStream_t stream);
 
  private:
+  // run() finds the kernels of the shapes run() accepts (3 head dims x 2 dtypes) without a lock or a string.
+  const Kernels& kernels_for(const AttentionShape& shape);
+
   int device_;
   std::string arch_;
   std::mutex mutex_;
   std::map<std::string, Kernels> loaded_;  // by kernel name (unique per key)
+  std::array<std::atomic<const Kernels*>, 6> by_shape_{};
 };
 
 }  // namespace attnforge::cuda
