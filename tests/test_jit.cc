@@ -21,6 +21,7 @@
 
 #include "attnforge/error.h"
 #include "attnforge/jit.h"
+#include "backends/cuda/decode/decode.h"
 #include "jit/embedded_headers.h"
 #include "jit/kernel_cache.h"
 #include "jit/kernel_key.h"
@@ -451,6 +452,39 @@ TEST(JitCacheChild, CompileSmallKey) {
   s.quiet = true;
   const Lookup r = KernelCache().get(src, s);
   EXPECT_FALSE(r.module->cubin.empty());
+}
+
+// ---- launch configuration (host code shared by the nvcc and NVRTC builds; no GPU call) ----
+
+TEST(JitLaunch, OneConfigurationFromTheTraits) {
+  // Shared memory: Q (16 rows) and `stages` K and V tiles of 64 tokens, 16-bit elements.
+  auto smem = [](int d, int stages) { return 2 * (16 * d + 2 * stages * 64 * d); };
+  for (int d : {64, 128, 256})
+    for (int stages : {2, 3}) {
+      const cuda::DecodeAttributes a = cuda::decode_attributes(d, stages);
+      EXPECT_EQ(a.threads, 128);
+      EXPECT_EQ(a.max_dynamic_smem, smem(d, stages)) << "head_dim " << d << ", stages " << stages;
+      EXPECT_EQ(a.carveout_percent, 100);
+    }
+  AttentionParams p{};
+  p.num_qo_heads = 32, p.num_kv_heads = 8, p.head_dim_qk = p.head_dim_vo = 128;
+  p.qo_tile = 8;  // 8 tokens x 4 heads of a group = 32 rows = 2 blocks of 16
+  p.item_capacity = 0, p.merge_capacity = 0;
+  cuda::DecodeLaunchConfig c = cuda::decode_launch_config(p, 2);
+  EXPECT_EQ(c.decode.grid.x, 1u) << "an empty plan still launches one CTA, which finds no item";
+  EXPECT_EQ(c.decode.grid.y, 8u);
+  EXPECT_EQ(c.decode.grid.z, 2u);
+  EXPECT_EQ(c.decode.smem_bytes, static_cast<unsigned>(smem(128, 2)));
+  EXPECT_FALSE(c.run_merge);
+  p.item_capacity = 700, p.merge_capacity = 30, p.qo_tile = 1;
+  c = cuda::decode_launch_config(p, 3);
+  EXPECT_EQ(c.decode.grid.x, 700u);
+  EXPECT_EQ(c.decode.grid.z, 1u);
+  EXPECT_EQ(c.decode.smem_bytes, static_cast<unsigned>(smem(128, 3)));
+  EXPECT_TRUE(c.run_merge);
+  EXPECT_EQ(c.merge.grid.x, 30u);
+  EXPECT_EQ(c.merge.grid.y, 32u);
+  EXPECT_EQ(c.merge.smem_bytes, 0u);
 }
 
 // ---- warm-up ----

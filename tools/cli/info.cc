@@ -7,7 +7,11 @@
 
 #include "attnforge/attnforge.h"
 #include "attnforge/devices.h"
+#include "attnforge/jit.h"
 #include "commands.h"
+#if ATTNFORGE_WITH_CUDA
+#include "jit/nvrtc_compiler.h"
+#endif
 
 namespace attnforge::cli {
 
@@ -69,7 +73,15 @@ void print_support_table(Device device) {
 }  // namespace
 
 int run_info() {
-  fmt::print("{}\n\ndevices:\n", build_info());
+  fmt::print("{}\n", build_info());
+#if ATTNFORGE_WITH_CUDA
+  const char* modes[] = {"on", "read-only", "off"};
+  fmt::print("run-time compiler: NVRTC {}.{}; CUDA kernels launched: {}; kernel cache {} (mode {})\n",
+             jit::nvrtc_version().major, jit::nvrtc_version().minor,
+             jit::cuda_kernels() == jit::CudaKernels::kNvrtc ? "NVRTC-compiled" : "nvcc-compiled",
+             jit::cache_dir().empty() ? "(none)" : jit::cache_dir(), modes[static_cast<int>(jit::cache_mode())]);
+#endif
+  fmt::print("\ndevices:\n");
   const std::vector<DeviceInfo> devices = available_devices();
   for (const DeviceInfo& d : devices)
     fmt::print("  {:<8} {:<24} {}; attention: {}\n", to_string(d.device), d.name, d.description,
