@@ -273,6 +273,7 @@ TEST(CudaJit, NvrtcKernelsGiveTheBitsOfNvccKernels) {
   char tmpl[] = "/tmp/attnforge-cuda-jit-XXXXXX";
   ASSERT_NE(nullptr, mkdtemp(tmpl));
   jit::set_cache_dir(tmpl);
+  const jit::CudaKernels selected = jit::cuda_kernels();  // restored at the end: the later tests run with it
   std::vector<CaseSpec> specs;
   uint64_t seed = 300;
   for (int32_t d : {64, 128, 256})
@@ -322,7 +323,7 @@ TEST(CudaJit, NvrtcKernelsGiveTheBitsOfNvccKernels) {
     EXPECT_TRUE(nvcc.first == nvrtc.first) << "outputs differ between the nvcc and NVRTC builds; case: " << s.describe();
     EXPECT_TRUE(nvcc.second == nvrtc.second) << "LSE differs between the nvcc and NVRTC builds; case: " << s.describe();
   }
-  jit::set_cuda_kernels(jit::CudaKernels::kNvcc);
+  jit::set_cuda_kernels(selected);
   jit::set_cache_dir("");
   std::filesystem::remove_all(tmpl);
 }
