@@ -126,7 +126,7 @@ TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
         const CompiledModule m = compile(keys[i].render());
         if (m.lowered_names.size() != 2 || m.lowered_names[0].empty() || m.lowered_names[1].empty())
           failures[i] = "missing kernel names";
-        else if (m.cubin.size() < 4 || m.cubin.compare(0, 4, "\x7f" "ELF") != 0)
+        else if (m.binary.size() < 4 || m.binary.compare(0, 4, "\x7f" "ELF") != 0)
           failures[i] = "not an ELF cubin";
         else if (m.log.find("spill") != std::string::npos)
           failures[i] = "ptxas: " + m.log;
@@ -240,12 +240,12 @@ TEST(JitEntry, EveryTruncationAndEveryFlippedByteIsRejected) {
   CompiledModule m;
   m.name = "decode_test";
   m.lowered_names = {"_Z6decodev", "_Z5mergev"};
-  m.cubin = std::string(300, '\x5a');
+  m.binary = std::string(300, '\x5a');
   const Hash128 key{1, 2};
   const std::string bytes = encode_entry(key, m);
   const DecodedEntry good = decode_entry(key, bytes);
   ASSERT_TRUE(good.ok) << good.problem;
-  EXPECT_EQ(good.module.cubin, m.cubin);
+  EXPECT_EQ(good.module.binary, m.binary);
   EXPECT_EQ(good.module.lowered_names, m.lowered_names);
   EXPECT_EQ(good.module.name, m.name);
   for (size_t n = 0; n < bytes.size(); ++n) EXPECT_FALSE(decode_entry(key, bytes.substr(0, n)).ok) << "length " << n;
@@ -282,7 +282,7 @@ TEST(JitCache, CompilesOncePublishesAndLoads) {
   KernelCache fresh;  // another process, as far as memory goes
   const Lookup again = fresh.get(small_key().render(), log.settings(dir));
   EXPECT_EQ(again.origin, Origin::kDisk);
-  EXPECT_EQ(again.module->cubin, first.module->cubin);
+  EXPECT_EQ(again.module->binary, first.module->binary);
   EXPECT_EQ(again.module->lowered_names, first.module->lowered_names);
 }
 
@@ -300,7 +300,7 @@ TEST(JitCache, CorruptedAndTruncatedEntriesAreRecompiled) {
   const Lookup after_corruption = KernelCache().get(small_key().render(), log.settings(tmp.path));
   EXPECT_EQ(after_corruption.origin, Origin::kCompiled);
   EXPECT_TRUE(log.contains("is unusable (the payload does not match its hash"));
-  EXPECT_EQ(after_corruption.module->cubin, first.module->cubin);
+  EXPECT_EQ(after_corruption.module->binary, first.module->binary);
   EXPECT_EQ(read_all(entry), good) << "the recompiled entry replaces the damaged one";
 
   write_all(entry, good.substr(0, good.size() / 2));
@@ -451,7 +451,7 @@ TEST(JitCacheChild, CompileSmallKey) {
   s.dir = dir;
   s.quiet = true;
   const Lookup r = KernelCache().get(src, s);
-  EXPECT_FALSE(r.module->cubin.empty());
+  EXPECT_FALSE(r.module->binary.empty());
 }
 
 // ---- launch configuration (host code shared by the nvcc and NVRTC builds; no GPU call) ----

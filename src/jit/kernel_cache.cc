@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "jit/host_compiler.h"
 
 namespace attnforge::jit {
 
@@ -20,13 +21,13 @@ constexpr char kMagic[8] = {'A', 'F', 'K', 'E', 'R', 'N', 'E', 'L'};
 constexpr uint32_t kFormat = 1;
 
 // The fixed-size start of an entry file; the payload follows: the readable name, the lowered names (each
-// NUL-terminated) and the cubin. Native byte order: an entry is read on the machine that wrote it.
+// NUL-terminated) and the binary (a cubin or a shared object). Native byte order: an entry is read on the machine that wrote it.
 struct EntryHeader {
   char magic[8];
   uint32_t format;
   uint32_t num_entry_points;
   uint64_t key_high, key_low;
-  uint64_t name_bytes, lowered_bytes, cubin_bytes;
+  uint64_t name_bytes, lowered_bytes, binary_bytes;
   uint64_t payload_high, payload_low;  // XXH3-128 of the payload
 };
 static_assert(sizeof(EntryHeader) == 72, "the entry header has no padding");
@@ -131,7 +132,8 @@ Hash128 cache_key(const KernelSource& source, const std::vector<std::string>& op
                   std::span<const EmbeddedHeader> headers) {
   Hasher h;
   const NvrtcVersion v = nvrtc_version();
-  h.field("attnforge kernel cache key 1").field(ATTNFORGE_VERSION).field(fmt::format("nvrtc {}.{}", v.major, v.minor));
+  h.field("attnforge kernel cache key 1").field(ATTNFORGE_VERSION);
+  h.field(source.arch == kHostArch ? host_compiler_identity() : fmt::format("nvrtc {}.{}", v.major, v.minor));
   h.field(source.arch);
   h.field(std::to_string(options.size()));
   for (const std::string& o : options) h.field(o);
@@ -148,13 +150,13 @@ std::string encode_entry(const Hash128& key, const CompiledModule& module) {
   std::string lowered;
   for (const std::string& n : module.lowered_names) lowered.append(n).push_back('\0');
   payload += lowered;
-  payload += module.cubin;
+  payload += module.binary;
   EntryHeader h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.format = kFormat;
   h.num_entry_points = static_cast<uint32_t>(module.lowered_names.size());
   h.key_high = key.high, h.key_low = key.low;
-  h.name_bytes = module.name.size(), h.lowered_bytes = lowered.size(), h.cubin_bytes = module.cubin.size();
+  h.name_bytes = module.name.size(), h.lowered_bytes = lowered.size(), h.binary_bytes = module.binary.size();
   const Hash128 ph = hash_bytes(payload.data(), payload.size());
   h.payload_high = ph.high, h.payload_low = ph.low;
   std::string out(reinterpret_cast<const char*>(&h), sizeof(h));
@@ -174,14 +176,14 @@ DecodedEntry decode_entry(const Hash128& key, std::string_view bytes) {
   if (h.format != kFormat) return bad(fmt::format("entry format {}, expected {}", h.format, kFormat));
   if (h.key_high != key.high || h.key_low != key.low) return bad("the entry's key is not its file name's key");
   const uint64_t payload = bytes.size() - sizeof(h);
-  if (h.name_bytes > payload || h.lowered_bytes > payload || h.cubin_bytes > payload ||
-      h.name_bytes + h.lowered_bytes + h.cubin_bytes != payload)
+  if (h.name_bytes > payload || h.lowered_bytes > payload || h.binary_bytes > payload ||
+      h.name_bytes + h.lowered_bytes + h.binary_bytes != payload)
     return bad(fmt::format("lengths {} + {} + {} do not add up to the {} payload bytes (truncated?)", h.name_bytes,
-                           h.lowered_bytes, h.cubin_bytes, payload));
+                           h.lowered_bytes, h.binary_bytes, payload));
   const std::string_view body = bytes.substr(sizeof(h));
   if (hash_bytes(body.data(), body.size()) != Hash128{h.payload_high, h.payload_low})
     return bad("the payload does not match its hash (damaged)");
-  if (h.cubin_bytes == 0) return bad("empty cubin");
+  if (h.binary_bytes == 0) return bad("empty binary");
   d.module.name = std::string(body.substr(0, h.name_bytes));
   std::string_view lowered = body.substr(h.name_bytes, h.lowered_bytes);
   while (!lowered.empty()) {
@@ -191,7 +193,7 @@ DecodedEntry decode_entry(const Hash128& key, std::string_view bytes) {
     lowered.remove_prefix(end + 1);
   }
   if (d.module.lowered_names.size() != h.num_entry_points) return bad("wrong number of kernel names");
-  d.module.cubin = std::string(body.substr(h.name_bytes + h.lowered_bytes));
+  d.module.binary = std::string(body.substr(h.name_bytes + h.lowered_bytes));
   d.ok = true;
   return d;
 }
@@ -211,7 +213,8 @@ const char* to_string(Origin origin) {
 
 Lookup KernelCache::get(const KernelSource& source, const CacheSettings& settings) {
   Lookup out;
-  out.key = cache_key(source, compile_options(source.arch));
+  const bool host = source.arch == kHostArch;
+  out.key = cache_key(source, host ? host_compile_options() : compile_options(source.arch));
   const std::string hex = out.key.hex();
   {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -277,7 +280,7 @@ Lookup KernelCache::get(const KernelSource& source, const CacheSettings& setting
 
     log_line(settings, fmt::format("attnforge jit: compiling {} for {} (cache key {}) ...", source.name, source.arch, hex));
     const auto t1 = std::chrono::steady_clock::now();
-    auto module = std::make_shared<const CompiledModule>(compile(source));
+    auto module = std::make_shared<const CompiledModule>(host ? compile_host(source) : compile(source));
     out.seconds = seconds_since(t1);
     std::string where = "kept in memory";
     if (settings.mode == CacheMode::kOn && !path.empty()) {
@@ -286,9 +289,11 @@ Lookup KernelCache::get(const KernelSource& source, const CacheSettings& setting
     } else if (settings.mode == CacheMode::kReadOnly) {
       where = "kept in memory (cache mode read-only)";
     }
-    log_line(settings, fmt::format("attnforge jit: compiled {} in {:.2f} s ({} KB cubin); {}", source.name,
-                                   out.seconds, module->cubin.size() / 1024, where));
-    if (!module->log.empty()) log_line(settings, fmt::format("attnforge jit: NVRTC on {}: {}", source.name, module->log));
+    log_line(settings, fmt::format("attnforge jit: compiled {} in {:.2f} s ({} KB {}); {}", source.name, out.seconds,
+                                   module->binary.size() / 1024, host ? "shared object" : "cubin", where));
+    if (!module->log.empty())
+      log_line(settings, fmt::format("attnforge jit: {} on {}: {}", host ? "the host compiler" : "NVRTC", source.name,
+                                     module->log));
     out.module = module;
     out.origin = Origin::kCompiled;
     finish(module);

@@ -92,8 +92,8 @@ CompiledModule compile(const KernelSource& src, std::span<const EmbeddedHeader> 
   }
   size_t cubin_size = 0;
   check_nvrtc(nvrtcGetCUBINSize(p.prog, &cubin_size), "nvrtcGetCUBINSize", src.name);
-  m.cubin.resize(cubin_size);
-  check_nvrtc(nvrtcGetCUBIN(p.prog, m.cubin.data()), "nvrtcGetCUBIN", src.name);
+  m.binary.resize(cubin_size);
+  check_nvrtc(nvrtcGetCUBIN(p.prog, m.binary.data()), "nvrtcGetCUBIN", src.name);
   return m;
 }
 

@@ -22,7 +22,7 @@ struct KernelSource {
 struct CompiledModule {
   std::string name;
   std::vector<std::string> lowered_names;
-  std::string cubin;
+  std::string binary;  // a cubin, or a shared object for the host (host_compiler.h)
   std::string log;  // NVRTC's log of a successful compile (warnings), usually empty
 };
 

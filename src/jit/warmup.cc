@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "attnforge/jit.h"
+#include "attnforge/variant.h"
 #include "core/check.h"
 #if ATTNFORGE_WITH_CUDA
 #include "backends/cuda/device_info.h"
@@ -54,6 +55,19 @@ WarmupReport warmup(const std::vector<AttentionConfig>&, const WarmupOptions&) {
                "warmup: this build has no run-time compiler (it was configured without the CUDA toolkit, so without "
                "NVRTC); nothing to warm");
 }
+}  // namespace attnforge::jit
+
+// The kernel cache that custom variants use is built with the run-time compiler (src/jit/variant.cc).
+namespace attnforge {
+CustomVariant builtin_variant() { return {"BuiltinVariant", "using BuiltinVariant = attnforge::BuiltinVariant;"}; }
+void run_variant(const AttentionPlan&, const TensorView&, const PagedKVCache&, const Outputs&,
+                 const AttentionOptions&, const CustomVariant& variant, const VariantInputs&, const Workspace&) {
+  detail::fail(ErrorKind::kUnsupported,
+               "variant {}: this build has no run-time compiler (configured without the CUDA toolkit)", variant.name);
+}
+}  // namespace attnforge
+
+namespace attnforge::jit {
 #else
 WarmupReport warmup(const std::vector<AttentionConfig>& configs, const WarmupOptions& options) {
   return warmup_with(process_cache(), current_settings(), configs, options);

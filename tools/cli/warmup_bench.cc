@@ -98,7 +98,7 @@ int run_warmup_bench(const WarmupCommandOptions& o) {
       const auto t0 = std::chrono::steady_clock::now();
       CUmodule module;
       CUfunction f;
-      ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, l.module->cubin.data()));
+      ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, l.module->binary.data()));
       for (const std::string& name : l.module->lowered_names)
         ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&f, module, name.c_str()));
       module_ms.push_back(seconds_since(t0) * 1e3);

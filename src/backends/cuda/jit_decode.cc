@@ -28,7 +28,7 @@ const JitDecode::Kernels& JitDecode::kernels(const jit::KernelKey& key) {
   ATTNFORGE_CUDA_CHECK(cudaSetDevice(device_));
   const DriverApi& d = driver();
   CUmodule module;
-  ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, l.module->cubin.data()));
+  ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, l.module->binary.data()));
   Kernels k;
   ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&k.decode, module, l.module->lowered_names[jit::kDecodeEntry].c_str()));
   ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&k.merge, module, l.module->lowered_names[jit::kMergeEntry].c_str()));
