@@ -1,6 +1,6 @@
 # Header-only dependencies: from the system (Debian packages, installed by scripts/install-deps) or, on machines
 # that have none of them and no network (the GPU machine), from ATTNFORGE_DEPS_DIR/include, a copy of the
-# headers that scripts/device-check carries along. fmt is always used header-only, so no binary depends on a
+# headers that scripts/device-check carries along (fmt, CLI, nlohmann, dlpack, xxhash.h). fmt is always used header-only, so no binary depends on a
 # libfmt of one distribution.
 set(ATTNFORGE_DEPS_DIR "" CACHE PATH "Folder whose include/ holds fmt, CLI11, nlohmann/json and dlpack headers")
 if(NOT ATTNFORGE_DEPS_DIR AND EXISTS ${CMAKE_SOURCE_DIR}/.deps/include)
@@ -24,4 +24,5 @@ if(ATTNFORGE_BUILD_CLI)
   attnforge_header_dep(cli11 CLI/CLI.hpp)
   attnforge_header_dep(json nlohmann/json.hpp)
 endif()
+attnforge_header_dep(xxhash xxhash.h)  # the kernel cache's content hash, used header-only (XXH_INLINE_ALL)
 find_package(Threads REQUIRED)

@@ -8,3 +8,4 @@
 #include "attnforge/options.h"
 #include "attnforge/plan.h"
 #include "attnforge/tensor.h"
+#include "attnforge/variant.h"

@@ -9,6 +9,7 @@
 #include "backends/backend.h"
 #include "core/check.h"
 #include "core/shape.h"
+#include "ops/prepare.h"
 
 namespace attnforge {
 
@@ -286,9 +287,11 @@ PlanView plan_view(const AttentionPlan& plan, void* base) {
   return v;
 }
 
-void launch(const AttentionPlan& plan, const TensorView& q, const KVParams& kv, const TensorView& k_view,
-            const TensorView& v_view, KVLayout layout, const Outputs& out, const AttentionOptions& options,
-            const Workspace& ws, Stream stream) {
+}  // namespace
+
+void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& plan, const TensorView& q,
+                         const KVParams& kv, const TensorView& k_view, const TensorView& v_view, KVLayout layout,
+                         const Outputs& out, const AttentionOptions& options, const Workspace& ws) {
   if (plan.version != AttentionPlan::kVersion)
     fail(ErrorKind::kPlanMismatch, "plan: version {}; this library runs plans of version {}", plan.version,
          AttentionPlan::kVersion);
@@ -328,7 +331,8 @@ void launch(const AttentionPlan& plan, const TensorView& q, const KVParams& kv, 
   }
   detail::expect_no_overlap(out.lse, "lse", out.out, "out");
 
-  AttentionParams p{};
+  AttentionParams& p = prepared.params;
+  p = AttentionParams{};
   p.variant = variant_params(plan, options);
   check_workspace(plan, ws);
 
@@ -342,6 +346,7 @@ void launch(const AttentionPlan& plan, const TensorView& q, const KVParams& kv, 
   config.custom_mask = p.variant.custom_mask != nullptr;
   config.rope = p.variant.rope.enabled != 0;
   detail::Backend& backend = detail::require(config);
+  prepared.backend = &backend;
 
   p.q = q.data;
   p.q_dtype = q.dtype;
@@ -362,7 +367,8 @@ void launch(const AttentionPlan& plan, const TensorView& q, const KVParams& kv, 
   p.item_capacity = plan.item_capacity;
   p.merge_capacity = plan.merge_capacity;
   p.qo_tile = plan.qo_tile;
-  PlanView host_view{};
+  PlanView& host_view = prepared.host_view;
+  host_view = PlanView{};
   if (backend.plan_in_device_memory()) {
     if (plan.uploaded_to == nullptr || plan.uploaded_to != ws.data)
       fail(ErrorKind::kPlanMismatch, "plan: not uploaded to this workspace ({}); call upload_plan(plan, workspace, "
@@ -376,7 +382,22 @@ void launch(const AttentionPlan& plan, const TensorView& q, const KVParams& kv, 
     host_view.merges = plan.merges.data();
     p.plan = &host_view;
   }
-  backend.attention(p, plan.kind, stream);
+}
+
+KVParams detail::paged_run_params(const AttentionPlan& plan, const PagedKVCache& kv) {
+  if (plan.kv_format == KVFormat::kRagged)
+    fail(ErrorKind::kPlanMismatch, "kv: a paged cache given, but the plan was made for ragged KV");
+  return paged_params(plan, kv);
+}
+
+namespace {
+
+void launch(const AttentionPlan& plan, const TensorView& q, const KVParams& kv, const TensorView& k_view,
+            const TensorView& v_view, KVLayout layout, const Outputs& out, const AttentionOptions& options,
+            const Workspace& ws, Stream stream) {
+  detail::PreparedRun prepared;
+  detail::prepare_run(prepared, plan, q, kv, k_view, v_view, layout, out, options, ws);
+  prepared.backend->attention(prepared.params, plan.kind, stream);
 }
 
 // A [kv_len, heads, dim] view of a single request's K or V given in either layout.
@@ -457,9 +478,7 @@ void upload_plan(AttentionPlan& plan, const Workspace& workspace, void* host_sta
 
 void run(const AttentionPlan& plan, const TensorView& q, const PagedKVCache& kv, const Outputs& outputs,
          const AttentionOptions& options, const Workspace& workspace, Stream stream) {
-  if (plan.kv_format == KVFormat::kRagged)
-    fail(ErrorKind::kPlanMismatch, "kv: a paged cache given, but the plan was made for ragged KV");
-  const KVParams p = paged_params(plan, kv);
+  const KVParams p = detail::paged_run_params(plan, kv);
   launch(plan, q, p, kv.k, kv.v, kv.layout, outputs, options, workspace, stream);
 }
 

@@ -5,11 +5,13 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <ostream>
 #include <random>
 #include <string>
 
+#include "attnforge/jit.h"
 #include "testing/compare.h"
 #include "testing/device_case.h"
 #include "testing/registry.h"
@@ -321,5 +323,68 @@ void capture_replan_replay(PlanKind kind) {
 
 TEST(CudaGraph, CaptureReplanReplayDecode) { capture_replan_replay(PlanKind::kDecode); }
 TEST(CudaGraph, CaptureReplanReplayPrefill) { capture_replan_replay(PlanKind::kPrefill); }
+
+// The NVRTC-compiled kernels against the nvcc-compiled ones: the same source through the same code generator, so
+// the same bits, on cases that cover every decode kernel (head_dim 64/128/256, fp16/bf16), split KV with the
+// merge kernel, page size 1, grouped heads with several query tokens, and the per-element options. Both builds
+// also match the float64 reference. Kernels compile into a temporary cache.
+TEST(CudaJit, NvrtcKernelsGiveTheBitsOfNvccKernels) {
+  char tmpl[] = "/tmp/attnforge-cuda-jit-XXXXXX";
+  ASSERT_NE(nullptr, mkdtemp(tmpl));
+  jit::set_cache_dir(tmpl);
+  const jit::CudaKernels selected = jit::cuda_kernels();  // restored at the end: the later tests run with it
+  std::vector<CaseSpec> specs;
+  uint64_t seed = 300;
+  for (int32_t d : {64, 128, 256})
+    for (DType t : {DType::kFloat16, DType::kBFloat16}) {
+      CaseSpec s;
+      s.kind = PlanKind::kDecode;
+      s.num_qo_heads = 16, s.num_kv_heads = 4, s.head_dim_qk = d;
+      s.q_dtype = s.kv_dtype = s.o_dtype = t;
+      s.qo_lens = {1, 1, 1, 1};
+      s.kv_lens = {9000, 17, 2048, 300};  // the long request is split: the merge kernel runs
+      // Splits at fixed positions: the plan cannot differ between the builds even if their occupancy did.
+      s.plan.deterministic = true;
+      s.plan.fixed_split_size = 1024;
+      s.seed = seed++;
+      specs.push_back(s);
+    }
+  CaseSpec opts = specs[3];  // head_dim 128 bf16
+  opts.page_size = 1;
+  opts.qo_lens = {4, 2, 1, 3};
+  opts.options.causal = true;
+  opts.options.sinks = true;
+  opts.options.soft_cap = 30.f;
+  opts.options.window_left = 500;
+  opts.options.custom_mask = true;
+  opts.options.alibi = true;
+  opts.o_dtype = DType::kFloat32;
+  opts.seed = seed++;
+  specs.push_back(opts);
+
+  for (const CaseSpec& s : specs) {
+    Case c = make_case(s);
+    DeviceCase dev(c);
+    auto run_with = [&](jit::CudaKernels kernels) {
+      jit::set_cuda_kernels(kernels);
+      c.poison_outputs();
+      dev.upload_outputs(c);
+      plan_and_run_cuda(c, dev);
+      const Verdict v = check_case(c);
+      EXPECT_TRUE(v.ok) << (kernels == jit::CudaKernels::kNvrtc ? "NVRTC" : "nvcc") << ": " << v.message
+                        << "\n  case: " << s.describe();
+      const auto* o = static_cast<const uint8_t*>(c.out.data());
+      const auto* l = static_cast<const uint8_t*>(c.lse.data());
+      return std::make_pair(std::vector<uint8_t>(o, o + c.out.bytes()), std::vector<uint8_t>(l, l + c.lse.bytes()));
+    };
+    const auto nvcc = run_with(jit::CudaKernels::kNvcc);
+    const auto nvrtc = run_with(jit::CudaKernels::kNvrtc);
+    EXPECT_TRUE(nvcc.first == nvrtc.first) << "outputs differ between the nvcc and NVRTC builds; case: " << s.describe();
+    EXPECT_TRUE(nvcc.second == nvrtc.second) << "LSE differs between the nvcc and NVRTC builds; case: " << s.describe();
+  }
+  jit::set_cuda_kernels(selected);
+  jit::set_cache_dir("");
+  std::filesystem::remove_all(tmpl);
+}
 
 }  // namespace

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "attnforge/config.h"
 #include "attnforge/devices.h"
 #include "commands.h"
 #include "testing/cases.h"
@@ -28,5 +30,17 @@ std::vector<int64_t> sampled_rows(int64_t total);
 
 // The GPU benchmark (bench_cuda.cc, built with CUDA).
 int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device);
+
+// The GPU suite's decode cases timed with the nvcc-compiled and the NVRTC-compiled kernels on the same buffers
+// and plan (bench_cuda.cc); each is checked against the float64 reference with both first.
+struct CompilerComparison {
+  std::string name;
+  double nvcc_us, nvrtc_us, bytes;
+};
+std::vector<CompilerComparison> compare_kernel_builds(const DeviceInfo& device, bool quick, int32_t iters);
+
+// `attnforge warmup`: the configurations the options select (warmup.cc), and `--bench` (warmup_bench.cc).
+std::vector<AttentionConfig> warmup_configs(const WarmupCommandOptions& options);
+int run_warmup_bench(const WarmupCommandOptions& options);
 
 }  // namespace attnforge::cli

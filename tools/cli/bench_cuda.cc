@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "attnforge/devices.h"
+#include "attnforge/jit.h"
 #include "bench_common.h"
 #include "commands.h"
 #include "testing/compare.h"
@@ -128,6 +129,7 @@ struct GpuResult {
   std::string name;
   testing::CaseSpec spec;
   double median_us = 0, graph_us = 0, bytes = 0, flops = 0;
+  double nvrtc_us = 0;  // with compare_nvrtc: the same launches with the NVRTC-compiled kernels
   int32_t iters = 0;
   std::string plan;
 };
@@ -201,7 +203,13 @@ double gemm_tflops(double* median_us) {
 #endif
 }
 
-GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, const std::string& progress) {
+// With compare_nvrtc, the case is also checked and timed with the NVRTC-compiled kernels on the same buffers and
+// plan, alternating nvcc, NVRTC, nvcc, NVRTC so that drift in clocks or temperature hits both alike; each
+// build's figure is the mean of its two medians.
+GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, const std::string& progress,
+                         bool compare_nvrtc = false) {
+  const jit::CudaKernels selected = jit::cuda_kernels();
+  if (compare_nvrtc) jit::set_cuda_kernels(jit::CudaKernels::kNvcc);  // plan and first timing with nvcc's build
   const double kv_bytes = kv_bytes_read(bc.spec);
   const bool prefill = bc.spec.kind == PlanKind::kPrefill;
   // Enough copies that one pass over them exceeds three L2 caches (60 MB on an H200); prefill reads its inputs
@@ -236,12 +244,18 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
       run(plan, d.q, d.paged, Outputs{d.out, d.lse}, d.options, w, stream);
   };
 
-  launch(0);
-  check(cudaStreamSynchronize(stream), "first run");
-  devs[0]->download_outputs(*hosts[0]);
   const std::vector<int64_t> rows = sampled_rows(hosts[0]->total_qo());
-  const testing::Verdict v = testing::check_case(*hosts[0], rows);
-  if (!v.ok) throw std::runtime_error(fmt::format("{}: wrong result, not timing it: {}", bc.name, v.message));
+  auto run_and_check = [&](const char* build) {
+    hosts[0]->poison_outputs();
+    devs[0]->upload_outputs(*hosts[0]);
+    launch(0);
+    check(cudaStreamSynchronize(stream), "first run");
+    devs[0]->download_outputs(*hosts[0]);
+    const testing::Verdict v = testing::check_case(*hosts[0], rows);
+    if (!v.ok)
+      throw std::runtime_error(fmt::format("{} ({} kernels): wrong result, not timing it: {}", bc.name, build, v.message));
+  };
+  run_and_check(compare_nvrtc ? "nvcc" : "the selected");
 
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0), cudaEventCreate(&e1);
@@ -259,7 +273,20 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
     }
     return median(us);
   };
-  GpuResult r{bc.name, bc.spec, time_calls(launch), 0, kv_bytes, attention_flops(bc.spec), iters, plan.describe()};
+  GpuResult r{bc.name, bc.spec, time_calls(launch), 0, kv_bytes, attention_flops(bc.spec), 0, iters, plan.describe()};
+  if (compare_nvrtc) {
+    auto use = [](jit::CudaKernels k) { jit::set_cuda_kernels(k); };
+    use(jit::CudaKernels::kNvrtc);
+    run_and_check("NVRTC");
+    const double nvrtc1 = time_calls(launch);
+    use(jit::CudaKernels::kNvcc);
+    const double nvcc2 = time_calls(launch);
+    use(jit::CudaKernels::kNvrtc);
+    const double nvrtc2 = time_calls(launch);
+    use(selected);
+    r.median_us = (r.median_us + nvcc2) / 2;
+    r.nvrtc_us = (nvrtc1 + nvrtc2) / 2;
+  }
   if (bc.graph) {
     std::vector<cudaGraphExec_t> execs(copies);
     for (int32_t i = 0; i < copies; ++i) {
@@ -275,6 +302,7 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
   }
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cudaStreamDestroy(stream);
+  if (compare_nvrtc) fmt::print(stderr, "{} {}: NVRTC-compiled kernels {:.1f} us\n", progress, bc.name, r.nvrtc_us);
   fmt::print(stderr, "{} {}: checked ({} rows); median {:.1f} us{}, {:.2f} TB/s, {:.1f} TFLOP/s; {}\n", progress,
              bc.name, rows.empty() ? hosts[0]->total_qo() : static_cast<int64_t>(rows.size()), r.median_us,
              r.graph_us > 0 ? fmt::format(" ({:.1f} us as a graph)", r.graph_us) : "", kv_bytes / (r.median_us * 1e6),
@@ -283,6 +311,19 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
 }
 
 }  // namespace
+
+std::vector<CompilerComparison> compare_kernel_builds(const DeviceInfo& device, bool quick, int32_t iters) {
+  const int id = device.device.id;
+  check(cudaSetDevice(id), "cudaSetDevice");
+  const std::vector<GpuBenchCase> suite = gpu_suite(quick);
+  std::vector<CompilerComparison> out;
+  for (size_t i = 0; i < suite.size(); ++i) {
+    const GpuResult r = bench_gpu_case(suite[i], id, iters, fmt::format("[nvcc vs NVRTC {}/{}]", i + 1, suite.size()),
+                                       /*compare_nvrtc=*/true);
+    out.push_back({r.name, r.median_us, r.nvrtc_us, r.bytes});
+  }
+  return out;
+}
 
 int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
   const int id = device.device.id;

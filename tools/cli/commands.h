@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace attnforge::cli {
 
@@ -20,9 +21,23 @@ struct BenchOptions {
   std::string suite = "all";  // GPU: all, decode or prefill
 };
 
+struct WarmupCommandOptions {
+  std::vector<std::string> archs;  // empty: the visible GPUs' (or sm_90a for --bench without a GPU)
+  std::vector<int32_t> head_dims;  // empty: the default set's (64, 128, 256)
+  std::vector<std::string> dtypes;  // fp16, bf16; empty: both
+  std::vector<int32_t> page_sizes;  // empty: 1 and 16
+  int32_t threads = 0;              // 0: every core
+  std::string cache_dir;            // empty: ATTNFORGE_CACHE_DIR or the default
+  bool quiet = false;
+  bool bench = false;  // compile and load times, warm-up time, NVRTC vs nvcc kernel speed
+  bool quick = false;  // --bench: the quick GPU suite for the speed comparison
+  int32_t iters = 0;   // --bench: timed runs per case (0: 100, 20 with --quick)
+  std::string json_path;
+};
+
 int run_info();
 int run_check(const CheckOptions& options);
 int run_bench(const BenchOptions& options);
-int run_warmup();
+int run_warmup(const WarmupCommandOptions& options);
 
 }  // namespace attnforge::cli

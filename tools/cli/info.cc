@@ -1,4 +1,4 @@
-// `attnforge info` (build, devices, supported configurations) and `attnforge warmup`.
+// `attnforge info`: build, devices, supported configurations.
 #include <fmt/format.h>
 
 #include <string>
@@ -7,7 +7,11 @@
 
 #include "attnforge/attnforge.h"
 #include "attnforge/devices.h"
+#include "attnforge/jit.h"
 #include "commands.h"
+#if ATTNFORGE_WITH_CUDA
+#include "jit/nvrtc_compiler.h"
+#endif
 
 namespace attnforge::cli {
 
@@ -69,20 +73,21 @@ void print_support_table(Device device) {
 }  // namespace
 
 int run_info() {
-  fmt::print("{}\n\ndevices:\n", build_info());
+  fmt::print("{}\n", build_info());
+#if ATTNFORGE_WITH_CUDA
+  const char* modes[] = {"on", "read-only", "off"};
+  fmt::print("run-time compiler: NVRTC {}.{}; CUDA kernels launched: {}; kernel cache {} (mode {})\n",
+             jit::nvrtc_version().major, jit::nvrtc_version().minor,
+             jit::cuda_kernels() == jit::CudaKernels::kNvrtc ? "NVRTC-compiled" : "nvcc-compiled",
+             jit::cache_dir().empty() ? "(none)" : jit::cache_dir(), modes[static_cast<int>(jit::cache_mode())]);
+#endif
+  fmt::print("\ndevices:\n");
   const std::vector<DeviceInfo> devices = available_devices();
   for (const DeviceInfo& d : devices)
     fmt::print("  {:<8} {:<24} {}; attention: {}\n", to_string(d.device), d.name, d.description,
                d.attention ? "yes" : "no");
   for (const DeviceInfo& d : devices)
     if (d.attention) print_support_table(d.device);
-  return 0;
-}
-
-int run_warmup() {
-  fmt::print("attnforge warmup: nothing to do. The CPU backend is compiled ahead of time, so it has no kernels to "
-             "compile; run-time compilation of CUDA kernels (NVRTC), which this command will warm, arrives with that "
-             "work.\n");
   return 0;
 }
 

@@ -31,15 +31,31 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--iters", bench.iters, "Timed runs per case (default: 20, or 5 with --quick)")
       ->check(CLI::Range(1, 1000000));
 
-  CLI::App* warmup =
-      app.add_subcommand("warmup", "Compile run-time kernels ahead of the first request (none exist yet)");
+  WarmupCommandOptions warm;
+  CLI::App* warmup = app.add_subcommand(
+      "warmup", "Compile the run-time (NVRTC) kernels of common decode shapes into the kernel cache, in parallel");
+  warmup->add_option("--arch", warm.archs, "Architectures, e.g. sm_90a sm_80 (default: the visible GPUs')");
+  warmup->add_option("--head-dim", warm.head_dims, "Head dims to warm (default: 64 128 256)");
+  warmup->add_option("--dtype", warm.dtypes, "Q/K/V dtypes to warm (default: fp16 bf16)")
+      ->check(CLI::IsMember({"fp16", "bf16"}));
+  warmup->add_option("--page-size", warm.page_sizes, "Page sizes (default: 1 16; a run-time value: kernels are shared)");
+  warmup->add_option("--threads", warm.threads, "Compile threads (default: every core)")->check(CLI::Range(1, 4096));
+  warmup->add_option("--cache-dir", warm.cache_dir, "Kernel cache directory (default: ATTNFORGE_CACHE_DIR or "
+                                                    "~/.cache/attnforge/kernels)");
+  warmup->add_flag("--quiet", warm.quiet, "No log line per compile");
+  warmup->add_flag("--bench", warm.bench, "Measure cold compile, warm cache load, warm-up time and, on a GPU, "
+                                          "NVRTC vs nvcc kernel speed (temporary caches; the real one is untouched)");
+  warmup->add_flag("--quick", warm.quick, "--bench: the quick GPU suite for the speed comparison");
+  warmup->add_option("--iters", warm.iters, "--bench: timed runs per case (default 100, or 20 with --quick)")
+      ->check(CLI::Range(1, 1000000));
+  warmup->add_option("--json", warm.json_path, "--bench: write the figures to this JSON file");
 
   CLI11_PARSE(app, argc, argv);
   try {
     if (info->parsed()) return run_info();
     if (check_cmd->parsed()) return run_check(check);
     if (bench_cmd->parsed()) return run_bench(bench);
-    if (warmup->parsed()) return run_warmup();
+    if (warmup->parsed()) return run_warmup(warm);
   } catch (const std::exception& e) {
     fmt::print(stderr, "attnforge {}: error: {}\n", app.get_subcommands().front()->get_name(), e.what());
     return 1;

@@ -6,11 +6,13 @@
 #include <mutex>
 #include <vector>
 
+#include "attnforge/jit.h"
 #include "backends/backend.h"
 #include "backends/cuda/cuda_check.h"
-#include "core/check.h"
 #include "backends/cuda/decode/decode.h"
+#include "backends/cuda/jit_decode.h"
 #include "backends/cuda/prefill/prefill.h"
+#include "core/check.h"
 #include "core/shape.h"
 
 namespace attnforge::detail {
@@ -78,9 +80,17 @@ class CudaBackend final : public Backend {
     return {};
   }
 
+  // With the NVRTC-compiled decode kernels this compiles (or loads) the shape's kernel: plan() pays for it, run()
+  // and graph capture find it loaded. Prefill runs its nvcc-compiled kernels in either mode (the run-time
+  // compiler builds decode only so far).
   int32_t num_workers(const AttentionShape& shape, PlanKind kind) const override {
-    const int32_t d = normalized(shape).head_dim_qk;
-    return sms_ * (kind == PlanKind::kDecode ? cuda::decode_ctas_per_sm(d) : cuda::prefill_ctas_per_sm(d));
+    const AttentionShape s = normalized(shape);
+    if (kind == PlanKind::kPrefill) return sms_ * cuda::prefill_ctas_per_sm(s.head_dim_qk);
+    if (jit::cuda_kernels() == jit::CudaKernels::kNvrtc) {
+      DeviceGuard guard(device_);
+      return sms_ * jit_decode().ctas_per_sm(s);
+    }
+    return sms_ * cuda::decode_ctas_per_sm(s.head_dim_qk);
   }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).
   int32_t target_tile_rows(const AttentionShape& shape) const override {
@@ -111,13 +121,13 @@ class CudaBackend final : public Backend {
       expect_stride(p.kv.v_stride_token, "kv.v (token)");
     }
     DeviceGuard guard(device_);
-    const int group = p.num_qo_heads / p.num_kv_heads;
     const auto cuda_stream = static_cast<cudaStream_t>(stream);
-    if (kind == PlanKind::kDecode) {
-      cuda::run_decode(p, {p.item_capacity, p.merge_capacity, (p.qo_tile * group + 15) / 16}, cuda_stream);
+    if (kind == PlanKind::kPrefill) {
+      cuda::run_prefill(p, cuda_stream);
+    } else if (jit::cuda_kernels() == jit::CudaKernels::kNvrtc) {
+      jit_decode().run(p, cuda_stream);
     } else {
-      const int rows = cuda::prefill_rows(p.head_dim_qk);
-      cuda::run_prefill(p, {p.item_capacity, p.merge_capacity, (p.qo_tile * group + rows - 1) / rows}, cuda_stream);
+      cuda::run_decode(p, cuda_stream);
     }
   }
 
@@ -131,8 +141,16 @@ class CudaBackend final : public Backend {
          device_);
   }
 
+  // Created on first use: NVRTC and the driver API are touched only when the NVRTC-compiled kernels are chosen.
+  cuda::JitDecode& jit_decode() const {
+    std::call_once(jit_once_, [&] { jit_ = std::make_unique<cuda::JitDecode>(device_, major_, minor_); });
+    return *jit_;
+  }
+
   int device_;
   int sms_ = 0, major_ = 0, minor_ = 0;
+  mutable std::once_flag jit_once_;
+  mutable std::unique_ptr<cuda::JitDecode> jit_;
 };
 
 }  // namespace

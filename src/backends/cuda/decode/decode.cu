@@ -1,37 +1,69 @@
-// Instantiations and launch of the decode kernels; split-KV items are merged by the shared merge kernel.
+// Instantiations and launch of the nvcc-compiled decode kernels, and the launch configuration both builds of the
+// kernels share. Split-KV items are merged by the shared merge kernel (backends/cuda/merge).
 #include <cuda_runtime.h>
 
 #include "backends/cuda/cuda_check.h"
-#include "backends/cuda/kernel_config.h"
 #include "backends/cuda/decode/decode.h"
 #include "backends/cuda/decode/decode_kernel.cuh"
+#include "backends/cuda/kernel_config.h"
 #include "backends/cuda/merge/merge.h"
 
 namespace attnforge::cuda {
 
 namespace {
 
-// The CTAs one SM holds, after the one-time set-up of the instantiation.
+// bf16 and fp16 instantiations use the same threads and shared memory.
+template <int D>
+DecodeAttributes attributes_of(int stages) {
+  auto make = [](auto traits) {
+    using Tr = decltype(traits);
+    return DecodeAttributes{Tr::kThreads, Tr::kSmemBytes, 100};
+  };
+  return stages == 3 ? make(DecodeTraits<D, Bf16, 3>{}) : make(DecodeTraits<D, Bf16, 2>{});
+}
+
+// Sets the attributes once per instantiation; returns the CTAs one SM holds.
 template <class Tr>
 int configure() {
-  static const int ctas_per_sm = configure_kernel(decode_kernel<Tr>, Tr::kThreads, Tr::kSmemBytes);
+  static const int ctas_per_sm = [] {
+    const DecodeAttributes a = decode_attributes(Tr::kHeadDim, Tr::kStages);
+    return configure_kernel(decode_kernel<Tr>, a.threads, a.max_dynamic_smem, a.carveout_percent);
+  }();
   return ctas_per_sm;
 }
 
 template <int D, typename Elem>
-void launch_decode(const AttentionParams& p, int grid_items, int row_blocks, cudaStream_t stream) {
+void launch_decode(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
   using Tr = DecodeTraits<D, Elem>;
-  auto kernel = decode_kernel<Tr>;
   configure<Tr>();
-  const dim3 grid(grid_items, p.num_kv_heads, row_blocks);
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
+  decode_kernel<Tr><<<dims.grid, dims.block, dims.smem_bytes, stream>>>(p);
   ATTNFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
 
+DecodeAttributes decode_attributes(int head_dim, int stages) {
+  switch (head_dim) {
+    case 64: return attributes_of<64>(stages);
+    case 128: return attributes_of<128>(stages);
+    default: return attributes_of<256>(stages);
+  }
+}
+
+DecodeLaunchConfig decode_launch_config(const AttentionParams& p, int stages) {
+  constexpr int kRows = DecodeTraits<64, Bf16>::kRows;  // one mma M tile, the same for every instantiation
+  const DecodeAttributes a = decode_attributes(p.head_dim_qk, stages);
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const unsigned row_blocks = (p.qo_tile * group + kRows - 1) / kRows;
+  DecodeLaunchConfig c;
+  c.decode = {dim3(p.item_capacity > 0 ? p.item_capacity : 1, p.num_kv_heads, row_blocks), dim3(a.threads),
+              static_cast<unsigned>(a.max_dynamic_smem)};
+  c.merge = merge_dims(p);
+  c.run_merge = p.merge_capacity > 0;
+  return c;
+}
+
 int decode_ctas_per_sm(int head_dim) {
-  // bf16 and fp16 instantiations use the same registers and shared memory.
   switch (head_dim) {
     case 64: return configure<DecodeTraits<64, Bf16>>();
     case 128: return configure<DecodeTraits<128, Bf16>>();
@@ -40,25 +72,16 @@ int decode_ctas_per_sm(int head_dim) {
   }
 }
 
-void run_decode(const AttentionParams& p, const DecodeLaunch& launch, cudaStream_t stream) {
+void run_decode(const AttentionParams& p, cudaStream_t stream) {
+  const DecodeLaunchConfig c = decode_launch_config(p, kDefaultDecodeStages);
   const bool bf16 = p.q_dtype == DType::kBFloat16;
-  const int grid_items = launch.item_capacity > 0 ? launch.item_capacity : 1;
   switch (p.head_dim_qk) {
-    case 64:
-      bf16 ? launch_decode<64, Bf16>(p, grid_items, launch.row_blocks, stream)
-           : launch_decode<64, F16>(p, grid_items, launch.row_blocks, stream);
-      break;
-    case 128:
-      bf16 ? launch_decode<128, Bf16>(p, grid_items, launch.row_blocks, stream)
-           : launch_decode<128, F16>(p, grid_items, launch.row_blocks, stream);
-      break;
-    case 256:
-      bf16 ? launch_decode<256, Bf16>(p, grid_items, launch.row_blocks, stream)
-           : launch_decode<256, F16>(p, grid_items, launch.row_blocks, stream);
-      break;
+    case 64: bf16 ? launch_decode<64, Bf16>(p, c.decode, stream) : launch_decode<64, F16>(p, c.decode, stream); break;
+    case 128: bf16 ? launch_decode<128, Bf16>(p, c.decode, stream) : launch_decode<128, F16>(p, c.decode, stream); break;
+    case 256: bf16 ? launch_decode<256, Bf16>(p, c.decode, stream) : launch_decode<256, F16>(p, c.decode, stream); break;
     default: break;  // rejected by CudaBackend::check before any launch
   }
-  run_merge(p, launch.merge_capacity, stream);
+  run_merge(p, stream);
 }
 
 }  // namespace attnforge::cuda

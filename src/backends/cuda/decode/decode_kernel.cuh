@@ -8,12 +8,14 @@
 #include "attnforge/kernel/params.h"
 #include "attnforge/kernel/state.h"
 #include "attnforge/kernel/variant.h"
+#include "backends/cuda/decode/decode_defaults.cuh"
 #include "backends/cuda/device/ptx.cuh"
 #include "backends/cuda/device/tiles.cuh"
 
 namespace attnforge::cuda {
 
-template <int kHeadDim_, typename Elem_>
+// kStages_ is the tile configuration of the run-time compiler's key (jit/kernel_key.h); nvcc builds the default.
+template <int kHeadDim_, typename Elem_, int kStages_ = kDefaultDecodeStages>
 struct DecodeTraits {
   using Elem = Elem_;  // Bf16 or F16: Q and K/V element type, and the mma operand type
   static constexpr int kHeadDim = kHeadDim_;
@@ -21,10 +23,10 @@ struct DecodeTraits {
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kRows = 16;                 // one mma M tile
   static constexpr int kTileTokens = 16 * kWarps;  // 16 tokens per warp per tile
-  // Two stages: one tile in flight while the other is consumed. Shared memory (68 KB at head_dim 128) then
+  // Two stages by default: one tile in flight while the other is consumed. Shared memory (68 KB at head_dim 128) then
   // admits three CTAs per SM, whose twelve warps hide the latency that four warps alone could not (profiled:
   // two 100 KB CTAs per SM left every scheduler idle 64% of cycles).
-  static constexpr int kStages = 2;
+  static constexpr int kStages = kStages_;
   static constexpr int kMinBlocksPerSM = kHeadDim <= 128 ? 3 : 1;  // caps registers so three CTAs fit
   static constexpr int kTileElems = kTileTokens * kHeadDim;
   // Shared memory: Q, then K stages, then V stages (16-bit elements); the cross-warp merge reuses K/V.
@@ -33,6 +35,7 @@ struct DecodeTraits {
   // moves each row 8 banks, so the 8 rows a store instruction writes hit different banks).
   static constexpr int kMergeStride = kHeadDim + 8;
   static constexpr int kMergeBytes = kWarps * kRows * (kMergeStride + 2) * 4;
+  static_assert(kStages >= 2, "one tile in flight while another is consumed");
   static_assert(kHeadDim % 16 == 0 && kHeadDim >= 64 && kHeadDim <= 256, "head_dim 64..256, multiple of 16");
   static_assert(kMergeBytes <= 2 * 2 * kStages * kTileElems, "merge buffer must fit in the K/V stages");
 };

@@ -5,10 +5,14 @@
 
 namespace attnforge::cuda {
 
-void run_merge(const AttentionParams& p, int merge_capacity, cudaStream_t stream) {
-  if (merge_capacity <= 0) return;
-  const dim3 grid(merge_capacity, p.num_qo_heads);
-  merge_kernel<<<grid, kMergeThreads, 0, stream>>>(p);
+KernelDims merge_dims(const AttentionParams& p) {
+  return {dim3(p.merge_capacity > 0 ? p.merge_capacity : 1, p.num_qo_heads), dim3(kMergeThreads), 0};
+}
+
+void run_merge(const AttentionParams& p, cudaStream_t stream) {
+  if (p.merge_capacity <= 0) return;
+  const KernelDims d = merge_dims(p);
+  merge_kernel<<<d.grid, d.block, d.smem_bytes, stream>>>(p);
   ATTNFORGE_CUDA_CHECK(cudaGetLastError());
 }
 

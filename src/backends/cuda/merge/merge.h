@@ -3,11 +3,16 @@
 #include <cuda_runtime.h>
 
 #include "attnforge/kernel/params.h"
+#include "backends/cuda/kernel_config.h"
 
 namespace attnforge::cuda {
 
-// Launches the merge of split-KV partial states: one CTA per (merge item, query head), grid-stride over the
-// plan's merges. merge_capacity comes from the plan, so a captured graph survives re-plans. No-op when 0.
-void run_merge(const AttentionParams& p, int merge_capacity, cudaStream_t stream);
+// The merge of split-KV partial states: one CTA per (merge item, query head), grid-stride over the plan's
+// merges. The grid comes from the plan's merge capacity, so a captured graph survives re-plans. Shared by the
+// nvcc-compiled launch below and the NVRTC-compiled one (backends/cuda/jit_decode.h).
+KernelDims merge_dims(const AttentionParams& p);
+
+// Launches the nvcc-compiled merge kernel; a no-op when the plan has no merge capacity.
+void run_merge(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace attnforge::cuda

@@ -19,17 +19,19 @@ int configure() {
 }
 
 template <int D, typename Elem, int N>
-void launch(const AttentionParams& p, const PrefillLaunch& l, cudaStream_t stream) {
+void launch(const AttentionParams& p, cudaStream_t stream) {
   using Tr = PrefillTraits<D, Elem, N>;
   configure<Tr>();
-  const dim3 grid(l.item_capacity > 0 ? l.item_capacity : 1, p.num_kv_heads, l.row_blocks);
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int row_blocks = (p.qo_tile * group + Tr::kRows - 1) / Tr::kRows;
+  const dim3 grid(p.item_capacity > 0 ? p.item_capacity : 1, p.num_kv_heads, row_blocks);
   prefill_kernel<Tr><<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   ATTNFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
 template <int D, int N = prefill_tile_tokens(D)>
-void launch_dtype(const AttentionParams& p, const PrefillLaunch& l, cudaStream_t stream) {
-  p.q_dtype == DType::kBFloat16 ? launch<D, Bf16, N>(p, l, stream) : launch<D, F16, N>(p, l, stream);
+void launch_dtype(const AttentionParams& p, cudaStream_t stream) {
+  p.q_dtype == DType::kBFloat16 ? launch<D, Bf16, N>(p, stream) : launch<D, F16, N>(p, stream);
 }
 
 }  // namespace
@@ -43,14 +45,14 @@ int prefill_ctas_per_sm(int head_dim) {
   }
 }
 
-void run_prefill(const AttentionParams& p, const PrefillLaunch& launch, cudaStream_t stream) {
+void run_prefill(const AttentionParams& p, cudaStream_t stream) {
   switch (p.head_dim_qk) {
-    case 64: launch_dtype<64>(p, launch, stream); break;
-    case 128: launch_dtype<128>(p, launch, stream); break;
-    case 256: launch_dtype<256>(p, launch, stream); break;
+    case 64: launch_dtype<64>(p, stream); break;
+    case 128: launch_dtype<128>(p, stream); break;
+    case 256: launch_dtype<256>(p, stream); break;
     default: break;  // rejected by CudaBackend::check before any launch
   }
-  run_merge(p, launch.merge_capacity, stream);
+  run_merge(p, stream);
 }
 
 }  // namespace attnforge::cuda

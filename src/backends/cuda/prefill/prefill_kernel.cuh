@@ -13,7 +13,7 @@
 #include "attnforge/kernel/variant.h"
 #include "backends/cuda/device/ptx.cuh"
 #include "backends/cuda/device/tiles.cuh"
-#include "backends/cuda/prefill/tile_config.h"
+#include "backends/cuda/prefill/tile_config.cuh"
 
 namespace attnforge::cuda {
 

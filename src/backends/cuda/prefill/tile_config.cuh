@@ -1,4 +1,5 @@
-// Tile shapes of the prefill kernel, shared by its traits (device) and the planner hooks (host). NVRTC-clean.
+// Tile shapes of the prefill kernel, shared by its traits (device) and the planner hooks (host). NVRTC-clean, and
+// a .cuh so the run-time compiler embeds it with the kernels.
 #pragma once
 
 #include "attnforge/kernel/types.h"

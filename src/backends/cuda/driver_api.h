@@ -1,0 +1,29 @@
+// The few CUDA driver API calls that load and launch run-time compiled kernels. libcuda is opened with dlopen on
+// first use rather than linked, so the library still loads on machines without a driver (CI compiles kernels
+// there, it launches none). cuda.h supplies the types only.
+#pragma once
+
+#include <cuda.h>
+
+namespace attnforge::cuda {
+
+struct DriverApi {
+  CUresult (*cuModuleLoadData)(CUmodule*, const void*);
+  CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
+  CUresult (*cuModuleUnload)(CUmodule);
+  CUresult (*cuFuncSetAttribute)(CUfunction, CUfunction_attribute, int);
+  CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             CUstream, void**, void**);
+  CUresult (*cuGetErrorName)(CUresult, const char**);
+};
+
+// Throws Error(kBackend) when libcuda or one of the functions is missing.
+const DriverApi& driver();
+
+// Throws Error(kBackend) naming the call and the driver's error.
+void check_driver(CUresult result, const char* call);
+
+}  // namespace attnforge::cuda
+
+#define ATTNFORGE_CU_CHECK(expr) ::attnforge::cuda::check_driver((expr), #expr)

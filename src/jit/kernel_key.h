@@ -1,0 +1,59 @@
+// Specialization keys of the run-time compiled kernels. A key names everything that selects a kernel binary;
+// run-time values (lengths, batch size, page size, page counts, output dtype, options read from params) are not
+// in it. A key renders both the translation unit NVRTC compiles and a readable kernel name; the cache key hashes
+// what the key renders (kernel_cache.h), never the key's name.
+#pragma once
+
+#include <string>
+
+#include "attnforge/config.h"
+#include "backends/cuda/decode/decode_defaults.cuh"
+#include "jit/hash.h"
+#include "jit/nvrtc_compiler.h"
+
+namespace attnforge::jit {
+
+enum class KernelFamily : int32_t {
+  kDecode = 0,  // batch decode (backends/cuda/decode/decode_kernel.cuh) and its split-KV merge kernel
+};
+
+// The tile configuration of a decode kernel: 4 warps of 16 tokens per 64-token K/V tile over 16 query rows are
+// fixed by the kernel's design; the depth of the cp.async pipeline is free.
+struct DecodeTile {
+  int32_t stages = cuda::kDefaultDecodeStages;  // 2 or 3
+  bool operator==(const DecodeTile&) const = default;
+};
+
+struct KernelKey {
+  KernelFamily family = KernelFamily::kDecode;
+  // The variant: "builtin" (kernel/variant.h, with zero hash) until custom variants exist; a custom variant
+  // will carry the hash of its source text here (docs/design.md, "Custom variants").
+  std::string variant = "builtin";
+  Hash128 variant_hash;
+  DType q_dtype = DType::kBFloat16;
+  DType kv_dtype = DType::kBFloat16;
+  int32_t head_dim_qk = 128;
+  int32_t head_dim_vo = 128;
+  DecodeTile tile;
+  std::string arch = "sm_90a";  // arch_for_device()
+
+  bool operator==(const KernelKey&) const = default;
+
+  // "decode_d128_bf16_st2_sm90a" (a custom variant adds its name). Unique among valid keys.
+  std::string name() const;
+  // Throws kUnsupported naming the field, its value and what is accepted.
+  void validate() const;
+  // The translation unit; entry point 0 is the decode kernel, 1 the merge kernel.
+  KernelSource render() const;
+  // The `attnforge warmup` command that compiles this key.
+  std::string warmup_command() const;
+};
+
+// Entry points of a decode-family module.
+constexpr int kDecodeEntry = 0;
+constexpr int kMergeEntry = 1;
+
+// The decode key for an attention shape on `arch`; throws kUnsupported when no decode kernel serves it.
+KernelKey decode_key(const AttentionShape& shape, const std::string& arch, DecodeTile tile = {});
+
+}  // namespace attnforge::jit

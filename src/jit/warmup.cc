@@ -1,0 +1,138 @@
+// jit::warmup: every kernel a list of configurations needs, compiled (or loaded) in parallel.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "attnforge/jit.h"
+#include "attnforge/variant.h"
+#include "core/check.h"
+#if ATTNFORGE_WITH_CUDA
+#include "backends/cuda/device_info.h"
+#include "jit/kernel_key.h"
+#include "jit/warmup.h"
+#endif
+
+namespace attnforge::jit {
+
+bool WarmupReport::ok() const {
+  return std::all_of(kernels.begin(), kernels.end(), [](const Kernel& k) { return k.error.empty(); });
+}
+
+std::vector<AttentionConfig> default_warmup_configs() {
+  // Heads per model only fix the query-head group, a run-time value of the decode kernel; they are listed so the
+  // configurations read as the models they come from.
+  struct Model {
+    int32_t qo_heads, kv_heads, head_dim;
+  };
+  constexpr Model kModels[] = {
+      {32, 8, 128},  // Llama 3 8B, Mistral 7B
+      {64, 8, 128},  // Llama 3 70B
+      {28, 4, 128},  // Qwen2.5 7B
+      {16, 8, 64},   // Llama 3.2 1B (head_dim 64)
+      {14, 2, 64},   // Qwen2.5 0.5B
+      {16, 8, 256},  // Gemma-style head_dim 256
+  };
+  std::vector<AttentionConfig> out;
+  for (const Model& m : kModels)
+    for (DType t : {DType::kBFloat16, DType::kFloat16})
+      for (int32_t page : {1, 16}) {
+        AttentionConfig c;
+        c.device = Device::cuda(0);
+        c.kind = PlanKind::kDecode;
+        c.shape = {m.qo_heads, m.kv_heads, m.head_dim, m.head_dim, t, t, t};
+        c.page_size = page;
+        out.push_back(c);
+      }
+  return out;
+}
+
+#if !ATTNFORGE_WITH_CUDA
+WarmupReport warmup(const std::vector<AttentionConfig>&, const WarmupOptions&) {
+  detail::fail(ErrorKind::kUnsupported,
+               "warmup: this build has no run-time compiler (it was configured without the CUDA toolkit, so without "
+               "NVRTC); nothing to warm");
+}
+}  // namespace attnforge::jit
+
+// The kernel cache that custom variants use is built with the run-time compiler (src/jit/variant.cc).
+namespace attnforge {
+CustomVariant builtin_variant() { return {"BuiltinVariant", "using BuiltinVariant = attnforge::BuiltinVariant;"}; }
+void run_variant(const AttentionPlan&, const TensorView&, const PagedKVCache&, const Outputs&,
+                 const AttentionOptions&, const CustomVariant& variant, const VariantInputs&, const Workspace&) {
+  detail::fail(ErrorKind::kUnsupported,
+               "variant {}: this build has no run-time compiler (configured without the CUDA toolkit)", variant.name);
+}
+}  // namespace attnforge
+
+namespace attnforge::jit {
+#else
+WarmupReport warmup(const std::vector<AttentionConfig>& configs, const WarmupOptions& options) {
+  return warmup_with(process_cache(), current_settings(), configs, options);
+}
+
+WarmupReport warmup_with(KernelCache& cache, const CacheSettings& settings, const std::vector<AttentionConfig>& configs,
+                         const WarmupOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::string> archs = options.archs;
+  if (archs.empty()) {
+    for (const detail::CudaDeviceInfo& d : detail::cuda_devices()) {
+      const std::string a = arch_for_device(d.major, d.minor);
+      if (std::find(archs.begin(), archs.end(), a) == archs.end()) archs.push_back(a);
+    }
+    if (archs.empty())
+      detail::fail(ErrorKind::kUnsupported,
+                   "warmup: no CUDA device is visible, so no architecture to compile for; name one or more "
+                   "(WarmupOptions::archs, `attnforge warmup --arch sm_90a`)");
+  }
+  WarmupReport report;
+  std::vector<KernelKey> keys;
+  for (const AttentionConfig& c : configs) {
+    const std::string what = fmt::format("{} {} heads {}/{} head_dim {} q {} kv {} page {}",
+                                         c.kind == PlanKind::kDecode ? "decode" : "prefill", to_string(c.device),
+                                         c.shape.num_qo_heads, c.shape.num_kv_heads, c.shape.head_dim_qk,
+                                         to_string(c.shape.q_dtype), to_string(c.shape.kv_dtype), c.page_size);
+    if (c.kind != PlanKind::kDecode) {
+      report.skipped.push_back(what + ": no CUDA prefill kernel yet (issue 4)");
+      continue;
+    }
+    for (const std::string& arch : archs) {
+      try {
+        const KernelKey k = decode_key(c.shape, arch);
+        if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+      } catch (const Error& e) {
+        report.skipped.push_back(what + ": " + e.what());
+        break;
+      }
+    }
+  }
+
+  const int32_t hw = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+  report.threads = std::min<int32_t>(options.threads > 0 ? options.threads : hw, std::max<int32_t>(1, keys.size()));
+  report.kernels.resize(keys.size());
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i = next++; i < keys.size(); i = next++) {
+      WarmupReport::Kernel& k = report.kernels[i];
+      k.name = keys[i].name();
+      try {
+        const Lookup l = cache.get(keys[i].render(), settings);
+        k.key = l.key.hex();
+        k.origin = to_string(l.origin);
+        k.seconds = l.seconds;
+      } catch (const std::exception& e) {
+        k.error = e.what();
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int32_t i = 0; i < report.threads; ++i) threads.emplace_back(worker);
+  for (std::thread& t : threads) t.join();
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return report;
+}
+#endif
+
+}  // namespace attnforge::jit

@@ -1,0 +1,566 @@
+// The run-time compiler and its kernel cache, without a GPU (NVRTC compiles on the host): every built-in decode
+// kernel compiles for sm_80 and sm_90a from the embedded headers alone; the cache key, the entry format, the
+// cache modes, unsafe directories, damaged entries, and several processes and threads compiling one key at once.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "attnforge/error.h"
+#include "attnforge/jit.h"
+#include "backends/cuda/decode/decode.h"
+#include "jit/embedded_headers.h"
+#include "jit/kernel_cache.h"
+#include "jit/kernel_key.h"
+#include "jit/nvrtc_compiler.h"
+
+extern char** environ;
+
+namespace fs = std::filesystem;
+using namespace attnforge;
+using namespace attnforge::jit;
+
+namespace {
+
+// The cheapest key to compile: used by every cache test.
+KernelKey small_key() {
+  KernelKey k;
+  k.q_dtype = k.kv_dtype = DType::kFloat16;
+  k.head_dim_qk = k.head_dim_vo = 64;
+  k.arch = "sm_80";
+  return k;
+}
+
+// A fresh directory under the system temp dir, removed at scope exit.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "attnforge-jit-test-XXXXXX").string();
+    path = mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::permissions(path, fs::perms::owner_all, ec);
+    fs::remove_all(path, ec);
+  }
+};
+
+// Settings writing into `dir`, with the log lines collected.
+struct Logged {
+  std::mutex mutex;
+  std::vector<std::string> lines;
+  CacheSettings settings(const fs::path& dir, CacheMode mode = CacheMode::kOn) {
+    CacheSettings s;
+    s.dir = dir.string();
+    s.mode = mode;
+    s.log = [this](const std::string& line) {
+      std::lock_guard<std::mutex> lock(mutex);
+      lines.push_back(line);
+    };
+    return s;
+  }
+  bool contains(const std::string& text) {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const std::string& l : lines)
+      if (l.find(text) != std::string::npos) return true;
+    return false;
+  }
+};
+
+std::vector<fs::path> files_in(const fs::path& dir) {
+  std::vector<fs::path> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path());
+  return out;
+}
+
+std::string read_all(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_all(const fs::path& p, const std::string& bytes) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
+
+fs::path entry_path(const fs::path& dir, const KernelKey& key) {
+  const KernelSource src = key.render();
+  return dir / entry_file_name(src.name, cache_key(src, compile_options(src.arch)));
+}
+
+// ---- compiling ----
+
+// Every built-in decode configuration (head_dim 64/128/256 x fp16/bf16), for sm_80 and sm_90a: 12 compiles on
+// two threads. Each module names the decode and the merge kernel and holds an ELF cubin; ptxas reports no spill.
+TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
+  std::vector<KernelKey> keys;
+  for (const char* arch : {"sm_80", "sm_90a"})
+    for (int32_t d : {64, 128, 256})
+      for (DType t : {DType::kFloat16, DType::kBFloat16}) {
+        KernelKey k;
+        k.q_dtype = k.kv_dtype = t;
+        k.head_dim_qk = k.head_dim_vo = d;
+        k.arch = arch;
+        keys.push_back(k);
+      }
+  std::vector<std::string> failures(keys.size());
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i = next++; i < keys.size(); i = next++) {
+      try {
+        const CompiledModule m = compile(keys[i].render());
+        if (m.lowered_names.size() != 2 || m.lowered_names[0].empty() || m.lowered_names[1].empty())
+          failures[i] = "missing kernel names";
+        else if (m.binary.size() < 4 || m.binary.compare(0, 4, "\x7f" "ELF") != 0)
+          failures[i] = "not an ELF cubin";
+        else if (m.log.find("spill") != std::string::npos)
+          failures[i] = "ptxas: " + m.log;
+      } catch (const std::exception& e) {
+        failures[i] = e.what();
+      }
+    }
+  };
+  std::thread a(worker), b(worker);
+  a.join(), b.join();
+  for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
+}
+
+// The prefill kernels compile from the embedded headers alone too (the run-time compiler has no prefill keys
+// yet; this keeps their headers NVRTC-clean): head_dim 64/128/256, sm_80 and sm_90a.
+TEST(JitCompile, PrefillKernelsFromTheEmbeddedHeaders) {
+  for (const char* arch : {"sm_80", "sm_90a"}) {
+    KernelSource src;
+    src.name = std::string("prefill_test_") + arch;
+    src.arch = arch;
+    src.source = "#include \"backends/cuda/prefill/prefill_kernel.cuh\"\n";
+    src.entry_points = {
+        "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<64, attnforge::cuda::Bf16>>",
+        "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<128, attnforge::cuda::F16>>",
+        "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<256, attnforge::cuda::Bf16>>",
+    };
+    try {
+      const CompiledModule m = compile(src);
+      EXPECT_EQ(3u, m.lowered_names.size()) << arch;
+      EXPECT_EQ(0, m.binary.compare(0, 4, "\x7f" "ELF")) << arch << ": not an ELF cubin";
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << arch << ": " << e.what();
+    }
+  }
+}
+
+// The embedded text is the source tree's, and every kernel header is there.
+TEST(JitEmbedded, HeadersMatchTheSourceTree) {
+  std::vector<std::string> names;
+  for (const EmbeddedHeader& h : embedded_headers()) {
+    names.push_back(h.name);
+    const bool api = std::string(h.name).rfind("attnforge/", 0) == 0;
+    const fs::path p = fs::path(ATTNFORGE_SOURCE_DIR) / (api ? "include" : "src") / h.name;
+    EXPECT_EQ(read_all(p), h.text) << h.name << " differs from " << p;
+  }
+  for (const char* expected : {"attnforge/kernel/params.h", "attnforge/kernel/types.h", "attnforge/kernel/variant.h",
+                               "attnforge/kernel/state.h", "backends/cuda/decode/decode_kernel.cuh",
+                               "backends/cuda/device/ptx.cuh"})
+    EXPECT_NE(std::find(names.begin(), names.end(), expected), names.end()) << expected << " is not embedded";
+}
+
+TEST(JitCompile, ArchitectureOfADevice) {
+  EXPECT_EQ(arch_for_device(9, 0), "sm_90a");
+  EXPECT_EQ(arch_for_device(8, 0), "sm_80");
+  EXPECT_EQ(arch_for_device(8, 6), "sm_86");
+  EXPECT_EQ(arch_for_device(8, 9), "sm_89");
+  try {
+    arch_for_device(7, 5);
+    ADD_FAILURE() << "7.5 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("7.5"), std::string::npos) << e.what();
+  }
+}
+
+// ---- keys ----
+
+TEST(JitKey, NamesAndRejectedFields) {
+  KernelKey k;
+  EXPECT_EQ(k.name(), "decode_d128_bf16_st2_sm90a");
+  EXPECT_EQ(small_key().name(), "decode_d64_fp16_st2_sm80");
+  auto rejects = [](KernelKey key, const char* words) {
+    try {
+      key.render();
+      ADD_FAILURE() << key.name() << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  KernelKey bad = k;
+  bad.head_dim_qk = bad.head_dim_vo = 96;
+  rejects(bad, "head_dim 96/96");
+  bad = k;
+  bad.kv_dtype = DType::kFloat8E4M3;
+  rejects(bad, "fp8 K/V is not built");
+  bad = k;
+  bad.tile.stages = 5;
+  rejects(bad, "tile.stages 5");
+  bad = k;
+  bad.variant = "sigmoid";
+  rejects(bad, "custom variants are not built yet");
+}
+
+// The cache key follows the content: the source, any embedded header's text, the options, the architecture and
+// the entry points; it ignores nothing of them and depends on nothing else.
+TEST(JitKey, ChangesWithHeaderTextOptionsAndArch) {
+  const KernelSource src = KernelKey{}.render();
+  const std::vector<std::string> options = compile_options(src.arch);
+  const Hash128 base = cache_key(src, options);
+  EXPECT_EQ(base, cache_key(KernelKey{}.render(), compile_options("sm_90a"))) << "the key is not deterministic";
+
+  const auto headers = embedded_headers();
+  for (size_t i = 0; i < headers.size(); ++i) {
+    std::vector<EmbeddedHeader> changed(headers.begin(), headers.end());
+    std::string text = changed[i].text;
+    text += "\n// one more line\n";
+    changed[i].text = text.c_str();
+    EXPECT_NE(base, cache_key(src, options, changed)) << "editing " << headers[i].name << " kept the key";
+  }
+  std::vector<std::string> more = options;
+  more.push_back("--use_fast_math");
+  EXPECT_NE(base, cache_key(src, more));
+  std::vector<std::string> fewer(options.begin(), options.end() - 1);
+  EXPECT_NE(base, cache_key(src, fewer));
+
+  KernelKey other;
+  other.arch = "sm_80";
+  EXPECT_NE(base, cache_key(other.render(), compile_options("sm_80")));
+  other = KernelKey{};
+  other.tile.stages = 3;
+  EXPECT_NE(base, cache_key(other.render(), options));
+  KernelSource renamed = src;
+  renamed.name = "another_name";  // a name is never part of the key
+  EXPECT_EQ(base, cache_key(renamed, options));
+  KernelSource entry = src;
+  entry.entry_points.pop_back();
+  EXPECT_NE(base, cache_key(entry, options));
+}
+
+// ---- the entry format ----
+
+TEST(JitEntry, EveryTruncationAndEveryFlippedByteIsRejected) {
+  CompiledModule m;
+  m.name = "decode_test";
+  m.lowered_names = {"_Z6decodev", "_Z5mergev"};
+  m.binary = std::string(300, '\x5a');
+  const Hash128 key{1, 2};
+  const std::string bytes = encode_entry(key, m);
+  const DecodedEntry good = decode_entry(key, bytes);
+  ASSERT_TRUE(good.ok) << good.problem;
+  EXPECT_EQ(good.module.binary, m.binary);
+  EXPECT_EQ(good.module.lowered_names, m.lowered_names);
+  EXPECT_EQ(good.module.name, m.name);
+  for (size_t n = 0; n < bytes.size(); ++n) EXPECT_FALSE(decode_entry(key, bytes.substr(0, n)).ok) << "length " << n;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    std::string flipped = bytes;
+    flipped[i] ^= 0x10;
+    EXPECT_FALSE(decode_entry(key, flipped).ok) << "byte " << i;
+  }
+  EXPECT_FALSE(decode_entry(Hash128{1, 3}, bytes).ok) << "an entry under another key's name";
+  EXPECT_FALSE(decode_entry(key, bytes + "x").ok) << "trailing bytes";
+}
+
+// ---- the cache ----
+
+TEST(JitCache, CompilesOncePublishesAndLoads) {
+  TempDir tmp;
+  const fs::path dir = tmp.path / "nested" / "cache";
+  Logged log;
+  KernelCache cache;
+  const Lookup first = cache.get(small_key().render(), log.settings(dir));
+  EXPECT_EQ(first.origin, Origin::kCompiled);
+  EXPECT_TRUE(log.contains("compiling decode_d64_fp16_st2_sm80 for sm_80 (cache key " + first.key.hex()));
+  EXPECT_TRUE(log.contains("compiled decode_d64_fp16_st2_sm80 in "));
+  struct stat st;
+  ASSERT_EQ(0, stat(dir.c_str(), &st));
+  EXPECT_EQ(st.st_mode & 0777, 0700u) << "the cache directory must be private";
+  ASSERT_EQ(0, stat((tmp.path / "nested").c_str(), &st));
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  const std::vector<fs::path> files = files_in(dir);
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(files[0], entry_path(dir, small_key()));
+
+  EXPECT_EQ(cache.get(small_key().render(), log.settings(dir)).origin, Origin::kMemory);
+  KernelCache fresh;  // another process, as far as memory goes
+  const Lookup again = fresh.get(small_key().render(), log.settings(dir));
+  EXPECT_EQ(again.origin, Origin::kDisk);
+  EXPECT_EQ(again.module->binary, first.module->binary);
+  EXPECT_EQ(again.module->lowered_names, first.module->lowered_names);
+}
+
+// A damaged and a truncated entry are recompiled (and republished), never loaded.
+TEST(JitCache, CorruptedAndTruncatedEntriesAreRecompiled) {
+  TempDir tmp;
+  Logged log;
+  const Lookup first = KernelCache().get(small_key().render(), log.settings(tmp.path));
+  const fs::path entry = entry_path(tmp.path, small_key());
+  const std::string good = read_all(entry);
+
+  std::string corrupted = good;
+  corrupted[corrupted.size() / 2] ^= 0x01;
+  write_all(entry, corrupted);
+  const Lookup after_corruption = KernelCache().get(small_key().render(), log.settings(tmp.path));
+  EXPECT_EQ(after_corruption.origin, Origin::kCompiled);
+  EXPECT_TRUE(log.contains("is unusable (the payload does not match its hash"));
+  EXPECT_EQ(after_corruption.module->binary, first.module->binary);
+  EXPECT_EQ(read_all(entry), good) << "the recompiled entry replaces the damaged one";
+
+  write_all(entry, good.substr(0, good.size() / 2));
+  const Lookup after_truncation = KernelCache().get(small_key().render(), log.settings(tmp.path));
+  EXPECT_EQ(after_truncation.origin, Origin::kCompiled);
+  EXPECT_TRUE(log.contains("truncated?"));
+  EXPECT_EQ(read_all(entry), good);
+  EXPECT_EQ(files_in(tmp.path).size(), 1u);
+}
+
+TEST(JitCache, ReadOnlyModeLoadsButNeverWrites) {
+  TempDir tmp;
+  Logged log;
+  const Lookup compiled = KernelCache().get(small_key().render(), log.settings(tmp.path, CacheMode::kReadOnly));
+  EXPECT_EQ(compiled.origin, Origin::kCompiled);
+  EXPECT_TRUE(files_in(tmp.path).empty()) << "read-only mode wrote to the cache";
+  EXPECT_TRUE(log.contains("kept in memory (cache mode read-only)"));
+
+  const fs::path missing = tmp.path / "absent";
+  KernelCache().get(small_key().render(), log.settings(missing, CacheMode::kReadOnly));
+  EXPECT_FALSE(fs::exists(missing)) << "read-only mode created the directory";
+
+  KernelCache().get(small_key().render(), log.settings(tmp.path, CacheMode::kOn));
+  EXPECT_EQ(KernelCache().get(small_key().render(), log.settings(tmp.path, CacheMode::kReadOnly)).origin,
+            Origin::kDisk);
+}
+
+// Off: no compile; the error names the kernel, its key, the cache and the command that warms it.
+TEST(JitCache, OffModeNamesTheMissingKeyAndHowToWarmIt) {
+  TempDir tmp;
+  Logged log;
+  const KernelSource src = small_key().render();
+  try {
+    KernelCache().get(src, log.settings(tmp.path, CacheMode::kOff));
+    ADD_FAILURE() << "off mode compiled";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    EXPECT_NE(what.find("kernel decode_d64_fp16_st2_sm80"), std::string::npos) << what;
+    EXPECT_NE(what.find(cache_key(src, compile_options(src.arch)).hex()), std::string::npos) << what;
+    EXPECT_NE(what.find(tmp.path.string()), std::string::npos) << what;
+    EXPECT_NE(what.find("attnforge warmup --arch sm_80 --head-dim 64 --dtype fp16"), std::string::npos) << what;
+  }
+  EXPECT_FALSE(log.contains("compiling")) << "off mode compiled";
+  KernelCache().get(src, log.settings(tmp.path, CacheMode::kOn));
+  EXPECT_EQ(KernelCache().get(src, log.settings(tmp.path, CacheMode::kOff)).origin, Origin::kDisk);
+}
+
+// A directory or entry that others can write (or that belongs to someone else) is neither read nor written.
+TEST(JitCache, DirectoriesAndEntriesOthersCanWriteAreRefused) {
+  TempDir tmp;
+  Logged log;
+  const fs::path dir = tmp.path / "cache";
+  KernelCache().get(small_key().render(), log.settings(dir));
+  const fs::path entry = entry_path(dir, small_key());
+  const std::string good = read_all(entry);
+
+  for (mode_t mode : {0770, 0707, 0777}) {
+    ASSERT_EQ(0, chmod(dir.c_str(), mode));
+    Logged l;
+    const Lookup r = KernelCache().get(small_key().render(), l.settings(dir));
+    EXPECT_EQ(r.origin, Origin::kCompiled) << std::oct << mode << ": the entry was loaded";
+    EXPECT_TRUE(l.contains("not using the kernel cache " + dir.string() + ": mode")) << std::oct << mode;
+    EXPECT_EQ(files_in(dir).size(), 1u) << "something was written to a refused directory";
+  }
+  ASSERT_EQ(0, chmod(dir.c_str(), 0700));
+
+  ASSERT_EQ(0, chmod(entry.c_str(), 0620));
+  Logged l;
+  EXPECT_EQ(KernelCache().get(small_key().render(), l.settings(dir)).origin, Origin::kCompiled);
+  EXPECT_TRUE(l.contains("refusing cache entry " + entry.string() + ": mode 0620 lets its group write it"));
+  struct stat st;
+  ASSERT_EQ(0, stat(entry.c_str(), &st));
+  EXPECT_EQ(st.st_mode & 0777, 0600u) << "the refused entry was not replaced by a private one";
+
+  // Owned by another user (testable when running as root).
+  if (geteuid() == 0) {
+    ASSERT_EQ(0, chown(dir.c_str(), 65534, 65534));
+    Logged o;
+    EXPECT_EQ(KernelCache().get(small_key().render(), o.settings(dir)).origin, Origin::kCompiled);
+    EXPECT_TRUE(o.contains("owned by uid 65534"));
+  }
+}
+
+// Threads of one process asking for one key at once: one compile, everyone gets the same module.
+TEST(JitCache, ConcurrentThreadsCompileOnce) {
+  TempDir tmp;
+  Logged log;
+  KernelCache cache;
+  std::vector<Lookup> results(4);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < results.size(); ++i)
+    threads.emplace_back([&, i] { results[i] = cache.get(small_key().render(), log.settings(tmp.path)); });
+  for (std::thread& t : threads) t.join();
+  int compiled = 0;
+  for (const Lookup& r : results) {
+    compiled += r.origin == Origin::kCompiled;
+    EXPECT_EQ(r.module.get(), results[0].module.get());
+  }
+  EXPECT_EQ(compiled, 1);
+}
+
+// Several processes compiling one key into one empty cache at the same moment: each publishes a complete entry
+// by rename, so exactly one valid entry remains and no temporary file.
+TEST(JitCache, ConcurrentProcessesLeaveOneValidEntry) {
+  TempDir tmp;
+  const fs::path dir = tmp.path / "cache";
+  const fs::path go = tmp.path / "go";
+  constexpr int kProcesses = 4;
+  std::vector<pid_t> pids;
+  const std::string self = fs::read_symlink("/proc/self/exe").string();
+  for (int i = 0; i < kProcesses; ++i) {
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e; ++e) env_strings.push_back(*e);
+    env_strings.push_back("ATTNFORGE_TEST_CHILD_DIR=" + dir.string());
+    env_strings.push_back("ATTNFORGE_TEST_CHILD_GO=" + go.string());
+    std::vector<char*> envp;
+    for (std::string& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::string filter = "--gtest_filter=JitCacheChild.CompileSmallKey";
+    char* argv[] = {const_cast<char*>(self.c_str()), filter.data(), nullptr};
+    pid_t pid;
+    ASSERT_EQ(0, posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv, envp.data()));
+    pids.push_back(pid);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // every child reaches the start line
+  write_all(go, "go");
+  for (pid_t pid : pids) {
+    int status = 0;
+    ASSERT_EQ(pid, waitpid(pid, &status, 0));
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child " << pid << " status " << status;
+  }
+  const std::vector<fs::path> files = files_in(dir);
+  ASSERT_EQ(files.size(), 1u) << "expected exactly one entry and no temporary file";
+  EXPECT_EQ(files[0], entry_path(dir, small_key()));
+  Logged log;
+  EXPECT_EQ(KernelCache().get(small_key().render(), log.settings(dir)).origin, Origin::kDisk);
+}
+
+// The child of ConcurrentProcessesLeaveOneValidEntry; does nothing when run on its own.
+TEST(JitCacheChild, CompileSmallKey) {
+  const char* dir = std::getenv("ATTNFORGE_TEST_CHILD_DIR");
+  const char* go = std::getenv("ATTNFORGE_TEST_CHILD_GO");
+  if (!dir || !go) return;
+  const KernelSource src = small_key().render();  // everything but the compile happens before the start
+  while (!fs::exists(go)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CacheSettings s;
+  s.dir = dir;
+  s.quiet = true;
+  const Lookup r = KernelCache().get(src, s);
+  EXPECT_FALSE(r.module->binary.empty());
+}
+
+// ---- launch configuration (host code shared by the nvcc and NVRTC builds; no GPU call) ----
+
+TEST(JitLaunch, OneConfigurationFromTheTraits) {
+  // Shared memory: Q (16 rows) and `stages` K and V tiles of 64 tokens, 16-bit elements.
+  auto smem = [](int d, int stages) { return 2 * (16 * d + 2 * stages * 64 * d); };
+  for (int d : {64, 128, 256})
+    for (int stages : {2, 3}) {
+      const cuda::DecodeAttributes a = cuda::decode_attributes(d, stages);
+      EXPECT_EQ(a.threads, 128);
+      EXPECT_EQ(a.max_dynamic_smem, smem(d, stages)) << "head_dim " << d << ", stages " << stages;
+      EXPECT_EQ(a.carveout_percent, 100);
+    }
+  AttentionParams p{};
+  p.num_qo_heads = 32, p.num_kv_heads = 8, p.head_dim_qk = p.head_dim_vo = 128;
+  p.qo_tile = 8;  // 8 tokens x 4 heads of a group = 32 rows = 2 blocks of 16
+  p.item_capacity = 0, p.merge_capacity = 0;
+  cuda::DecodeLaunchConfig c = cuda::decode_launch_config(p, 2);
+  EXPECT_EQ(c.decode.grid.x, 1u) << "an empty plan still launches one CTA, which finds no item";
+  EXPECT_EQ(c.decode.grid.y, 8u);
+  EXPECT_EQ(c.decode.grid.z, 2u);
+  EXPECT_EQ(c.decode.smem_bytes, static_cast<unsigned>(smem(128, 2)));
+  EXPECT_FALSE(c.run_merge);
+  p.item_capacity = 700, p.merge_capacity = 30, p.qo_tile = 1;
+  c = cuda::decode_launch_config(p, 3);
+  EXPECT_EQ(c.decode.grid.x, 700u);
+  EXPECT_EQ(c.decode.grid.z, 1u);
+  EXPECT_EQ(c.decode.smem_bytes, static_cast<unsigned>(smem(128, 3)));
+  EXPECT_TRUE(c.run_merge);
+  EXPECT_EQ(c.merge.grid.x, 30u);
+  EXPECT_EQ(c.merge.grid.y, 32u);
+  EXPECT_EQ(c.merge.smem_bytes, 0u);
+}
+
+// ---- warm-up ----
+
+// Configurations that differ only in run-time values share kernels; prefill and fp8 K/V are reported as skipped.
+TEST(JitWarmup, DedupesConfigurationsAndReportsWhatItSkips) {
+  TempDir tmp;
+  set_cache_dir(tmp.path.string());
+  std::vector<std::string> lines;
+  std::mutex mutex;
+  set_log_sink([&](const std::string& l) {
+    std::lock_guard<std::mutex> lock(mutex);
+    lines.push_back(l);
+  });
+  std::vector<AttentionConfig> configs;
+  for (const AttentionConfig& c : default_warmup_configs())
+    if (c.shape.head_dim_qk == 64) configs.push_back(c);
+  ASSERT_EQ(configs.size(), 8u);  // two models x two dtypes x two page sizes
+  AttentionConfig prefill = configs[0];
+  prefill.kind = PlanKind::kPrefill;
+  AttentionConfig fp8 = configs[0];
+  fp8.shape.kv_dtype = DType::kFloat8E4M3;
+  configs.push_back(prefill);
+  configs.push_back(fp8);
+  WarmupOptions options;
+  options.archs = {"sm_80"};
+  options.threads = 2;
+  const WarmupReport first = warmup(configs, options);
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(first.kernels.size(), 2u);  // fp16 and bf16
+  EXPECT_EQ(first.kernels[0].name, "decode_d64_bf16_st2_sm80");
+  EXPECT_EQ(first.kernels[0].origin, "compiled");
+  ASSERT_EQ(first.skipped.size(), 2u);
+  EXPECT_NE(first.skipped[0].find("no CUDA prefill kernel yet"), std::string::npos) << first.skipped[0];
+  EXPECT_NE(first.skipped[1].find("fp8 K/V is not built"), std::string::npos) << first.skipped[1];
+  EXPECT_EQ(files_in(tmp.path).size(), 2u);
+  const WarmupReport second = warmup(configs, options);
+  EXPECT_EQ(second.kernels[0].origin, "memory");
+  set_log_sink(nullptr);
+  set_cache_dir("");
+  EXPECT_EQ(lines.size(), 4u) << "one line before and one after each of the two compiles";
+}
+
+TEST(JitSettings, ModesParseAndBadValuesAreNamed) {
+  EXPECT_EQ(parse_cache_mode("on"), CacheMode::kOn);
+  EXPECT_EQ(parse_cache_mode("read-only"), CacheMode::kReadOnly);
+  EXPECT_EQ(parse_cache_mode("off"), CacheMode::kOff);
+  try {
+    parse_cache_mode("sometimes");
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'sometimes': expected one of {on, read-only, off}"), std::string::npos);
+  }
+}
+
+}  // namespace

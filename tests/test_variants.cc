@@ -1,0 +1,274 @@
+// Custom attention variants on the CPU, compiled at run time by the host compiler (no GPU): sigmoid attention
+// with softmax off, a per-head logit bias from an extra tensor, a variant that writes its logits to an extra
+// tensor, each against a float64 reference that runs the same variant struct (compiled into this test ahead of
+// time); the built-in options written as a variant against the library's reference; errors.
+#include <gtest/gtest.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "attnforge/attnforge.h"
+#include "attnforge/jit.h"
+#include "attnforge/kernel/variant_hooks.h"
+#include "attnforge/variant.h"
+#include "testing/compare.h"
+#include "testing/registry.h"
+
+using namespace attnforge;
+using namespace attnforge::testing;
+
+// Defines a variant struct in this test and the same text as a CustomVariant for the run-time compiler.
+#define ATTNFORGE_TEST_VARIANT(name, ...) \
+  __VA_ARGS__                             \
+  const CustomVariant name##_variant{#name, #__VA_ARGS__};
+
+ATTNFORGE_TEST_VARIANT(Sigmoid, struct Sigmoid : attnforge::VariantBase {
+  static constexpr bool kSoftmax = false;
+  static float logits_transform(const attnforge::VariantArgs& a, const attnforge::LogitIndex&, float s) {
+    return 1.f / (1.f + expf(-(s + a.scalars[0])));
+  }
+};)
+
+ATTNFORGE_TEST_VARIANT(HeadBias, struct HeadBias : attnforge::VariantBase {
+  static bool logits_mask(const attnforge::VariantArgs&, const attnforge::LogitIndex& i) {
+    return i.kv_pos <= i.q_pos;
+  }
+  static float logits_transform(const attnforge::VariantArgs& a, const attnforge::LogitIndex& i, float s) {
+    return s + static_cast<const float*>(a.tensors[0])[i.qo_head];
+  }
+};)
+
+// Logits land in tensor 0, laid out [batch][max_qo][heads][max_kv] with the sizes in scalars 0..2.
+ATTNFORGE_TEST_VARIANT(LogitsOut, struct LogitsOut : attnforge::VariantBase {
+  static float logits_transform(const attnforge::VariantArgs& a, const attnforge::LogitIndex& i, float s) {
+    const int max_qo = static_cast<int>(a.scalars[0]), heads = static_cast<int>(a.scalars[1]);
+    const int max_kv = static_cast<int>(a.scalars[2]);
+    float* out = static_cast<float*>(a.tensors[0]);
+    out[((static_cast<long>(i.request) * max_qo + i.q_token) * heads + i.qo_head) * max_kv + i.kv_pos] = s;
+    return s;
+  }
+};)
+
+namespace {
+
+class Variants : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    char tmpl[] = "/tmp/attnforge-variants-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    jit::set_cache_dir(dir_);
+  }
+  static void TearDownTestSuite() {
+    jit::set_cache_dir("");
+    std::filesystem::remove_all(dir_);
+  }
+  static std::string dir_;
+};
+std::string Variants::dir_;
+
+// fp32 throughout, so the comparison with float64 is tight: 2 requests of several query tokens, GQA.
+CaseSpec fp32_spec() {
+  CaseSpec s;
+  s.kind = PlanKind::kPrefill;
+  s.qo_lens = {3, 5};
+  s.kv_lens = {40, 70};
+  s.num_qo_heads = 4, s.num_kv_heads = 2, s.head_dim_qk = 64;
+  s.q_dtype = s.kv_dtype = s.o_dtype = DType::kFloat32;
+  s.seed = 21;
+  return s;
+}
+
+AttentionPlan plan_without_splits(const Case& c) {
+  BatchPlanArgs args = c.plan_args();
+  args.options.disable_split = true;
+  return c.spec.kind == PlanKind::kDecode ? plan_batch_decode(args) : plan_batch_prefill(args);
+}
+
+void run_case(Case& c, const CustomVariant& v, const VariantInputs& inputs) {
+  const AttentionPlan plan = plan_without_splits(c);
+  std::vector<char> ws(plan.workspace_bytes + 256);
+  c.poison_outputs();
+  run_variant(plan, c.q_view, c.paged, Outputs{c.out_view, c.lse_view}, c.options, v, inputs,
+              Workspace{ws.data(), plan.workspace_bytes});
+}
+
+// The float64 reference of a variant V on a case: V's own hooks, logits and sums in double.
+template <class V>
+std::vector<double> reference(const Case& c, const VariantArgs& args) {
+  const CaseSpec& s = c.spec;
+  const int32_t H = s.num_qo_heads, KVH = s.num_kv_heads, D = s.head_dim_qk, group = H / KVH;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  std::vector<double> out(static_cast<size_t>(c.total_qo()) * H * D, 0.0);
+  for (int32_t b = 0; b < c.batch; ++b) {
+    const int32_t qo_len = s.qo_lens[b], kv_len = s.kv_lens[b], start = c.qo_indptr[b];
+    for (int32_t t = 0; t < qo_len; ++t)
+      for (int32_t h = 0; h < H; ++h) {
+        LogitIndex i{b, t, query_position(t, qo_len, kv_len), 0, kv_len, h, h / group};
+        std::vector<double> w(kv_len, 0.0);
+        double m = -INFINITY;
+        for (int32_t j = 0; j < kv_len; ++j) {
+          i.kv_pos = j;
+          if (!V::logits_mask(args, i)) {
+            w[j] = NAN;
+            continue;
+          }
+          double dot = 0;
+          for (int32_t d = 0; d < D; ++d)
+            dot += double(c.q_vals[((start + t) * H + h) * D + d]) * c.k_vals[b][(j * KVH + h / group) * D + d];
+          w[j] = V::logits_transform(args, i, static_cast<float>(dot * scale));
+          if (V::kSoftmax) m = std::max(m, w[j]);
+        }
+        double sum = 0;
+        for (double& x : w) {
+          if (std::isnan(x)) {
+            x = 0;
+          } else if (V::kSoftmax) {
+            x = std::exp(x - m);
+          }
+          sum += x;
+        }
+        for (int32_t j = 0; j < kv_len; ++j)
+          for (int32_t d = 0; d < D; ++d)
+            out[((start + t) * H + h) * D + d] +=
+                (V::kSoftmax ? w[j] / sum : w[j]) * c.v_vals[b][(j * KVH + h / group) * D + d];
+      }
+  }
+  return out;
+}
+
+// Worst |out - ref| / (1 + |ref|) over the fp32 output.
+double worst_error(const Case& c, const std::vector<double>& ref) {
+  const int32_t H = c.spec.num_qo_heads, D = c.spec.head_dim_qk;
+  const float* o = static_cast<const float*>(c.out_view.data);
+  double worst = 0;
+  for (int64_t t = 0; t < c.total_qo(); ++t)
+    for (int32_t h = 0; h < H; ++h)
+      for (int32_t d = 0; d < D; ++d) {
+        const double got = o[t * c.out_view.strides[0] + h * c.out_view.strides[1] + d];
+        const double want = ref[(t * H + h) * D + d];
+        worst = std::max(worst, std::isfinite(got) ? std::abs(got - want) / (1 + std::abs(want)) : INFINITY);
+      }
+  return worst;
+}
+
+VariantArgs args_for(const VariantInputs& in, const VariantParams& options) {
+  VariantArgs a{};
+  a.options = &options;
+  a.num_scalars = static_cast<int32_t>(in.scalars.size());
+  for (size_t i = 0; i < in.scalars.size(); ++i) a.scalars[i] = in.scalars[i];
+  a.num_tensors = static_cast<int32_t>(in.tensors.size());
+  for (size_t i = 0; i < in.tensors.size(); ++i) a.tensors[i] = in.tensors[i];
+  return a;
+}
+
+TEST_F(Variants, SigmoidAttentionWithSoftmaxOff) {
+  Case c = make_case(fp32_spec());
+  const VariantInputs in{{-2.5f}, {}};
+  run_case(c, Sigmoid_variant, in);
+  const VariantParams none{};
+  EXPECT_LT(worst_error(c, reference<Sigmoid>(c, args_for(in, none))), 1e-5);
+  const float* lse = static_cast<const float*>(c.lse_view.data);
+  EXPECT_TRUE(std::isnan(lse[0])) << "no LSE without softmax";
+}
+
+TEST_F(Variants, PerHeadLogitBiasFromAnExtraTensor) {
+  Case c = make_case(fp32_spec());
+  std::vector<float> bias = {0.5f, -1.f, 2.f, 0.f};
+  const VariantInputs in{{}, {bias.data()}};
+  run_case(c, HeadBias_variant, in);
+  const VariantParams none{};
+  EXPECT_LT(worst_error(c, reference<HeadBias>(c, args_for(in, none))), 1e-5);
+}
+
+TEST_F(Variants, VariantWritesItsLogitsToAnExtraTensor) {
+  Case c = make_case(fp32_spec());
+  const int32_t max_qo = 5, heads = 4, max_kv = 70;
+  std::vector<float> logits(static_cast<size_t>(c.batch) * max_qo * heads * max_kv, NAN);
+  std::vector<float> again = logits;
+  const VariantInputs in{{float(max_qo), float(heads), float(max_kv)}, {logits.data()}};
+  run_case(c, LogitsOut_variant, in);
+  const VariantParams none{};
+  const VariantInputs ref_in{in.scalars, {again.data()}};
+  EXPECT_LT(worst_error(c, reference<LogitsOut>(c, args_for(ref_in, none))), 1e-5);
+  int64_t written = 0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (std::isnan(again[i])) continue;  // positions the reference never visited stay NaN in both
+    ++written;
+    EXPECT_NEAR(logits[i], again[i], 1e-4 * (1 + std::abs(again[i]))) << "logit " << i;
+  }
+  EXPECT_EQ(written, int64_t{3 * 40 + 5 * 70} * heads) << "every (query, head, kv) logit once";
+}
+
+// Two compiled variants in one process each run their own code (ctest runs every test in its own process, so this
+// is the only place that sees a second variant loaded).
+TEST_F(Variants, TwoVariantsInOneProcess) {
+  Case c = make_case(fp32_spec());
+  const VariantParams none{};
+  const VariantInputs sig{{-1.f}, {}};
+  run_case(c, Sigmoid_variant, sig);
+  EXPECT_LT(worst_error(c, reference<Sigmoid>(c, args_for(sig, none))), 1e-5);
+  std::vector<float> bias = {1.f, 0.f, -0.5f, 0.25f};
+  const VariantInputs hb{{}, {bias.data()}};
+  run_case(c, HeadBias_variant, hb);
+  EXPECT_LT(worst_error(c, reference<HeadBias>(c, args_for(hb, none))), 1e-5);
+}
+
+// The built-in options through the hooks match the library's own float64 reference for run().
+TEST_F(Variants, BuiltinOptionsAsAVariantMatchTheReference) {
+  CaseSpec s = fp32_spec();
+  s.q_dtype = s.kv_dtype = s.o_dtype = DType::kBFloat16;
+  s.options.causal = true;
+  s.options.window_left = 30;
+  s.options.soft_cap = 20.f;
+  s.options.alibi = true;
+  s.options.sinks = true;
+  s.options.custom_mask = true;
+  s.options.rope = true;
+  s.options.rope_offsets = true;
+  Case c = make_case(s);
+  run_case(c, builtin_variant(), {});
+  const Verdict v = check_case(c);
+  EXPECT_TRUE(v.ok) << v.message;
+}
+
+TEST_F(Variants, ErrorsNameTheProblem) {
+  Case c = make_case(fp32_spec());
+  auto error_of = [&](const CustomVariant& v, const VariantInputs& in) -> std::string {
+    try {
+      run_case(c, v, in);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(error_of({"not an identifier", "struct X : attnforge::VariantBase {};"}, {}).find("expected a C++ identifier"),
+            std::string::npos);
+  EXPECT_NE(error_of(Sigmoid_variant, {std::vector<float>(9, 0.f), {}}).find("at most 8"), std::string::npos);
+  const std::string compile_error = error_of({"Broken", "struct Broken : attnforge::VariantBase { int x = ; };"}, {});
+  EXPECT_NE(compile_error.find("compiling variant_Broken_host failed"), std::string::npos) << compile_error;
+  EXPECT_NE(compile_error.find("expected primary-expression"), std::string::npos) << compile_error;
+
+  // With splits allowed, a long request and more workers than tiles, the plan splits KV: refused.
+  CaseSpec long_spec = fp32_spec();
+  long_spec.kv_lens = {4000, 70};
+  Case long_case = make_case(long_spec);
+  BatchPlanArgs args = long_case.plan_args();
+  args.options.num_workers = 8;
+  const AttentionPlan split = plan_batch_prefill(args);
+  ASSERT_FALSE(split.merges.empty());
+  std::vector<char> ws(split.workspace_bytes + 256);
+  try {
+    run_variant(split, long_case.q_view, long_case.paged, Outputs{long_case.out_view, long_case.lse_view},
+                long_case.options, Sigmoid_variant, {{0.f}, {}}, Workspace{ws.data(), split.workspace_bytes});
+    ADD_FAILURE() << "a plan with KV splits was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("PlanOptions::disable_split"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
