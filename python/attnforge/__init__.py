@@ -5,6 +5,7 @@ differences are listed in docs/python-compat.md. Arrays go in and out through DL
 bfloat16 and fp8, torch, cupy); torch is not a dependency.
 """
 from . import _C, _torch
+from ._C import CustomVariant, builtin_variant
 from ._errors import (BackendError, Error, InvalidArgumentError, PlanMismatchError, UnsupportedError,
                       WorkspaceError)
 from .cascade import merge_state, merge_states
@@ -23,7 +24,7 @@ __all__ = [
     "apply_rope", "apply_rope_inplace", "apply_rope_pos_ids", "apply_rope_pos_ids_inplace", "apply_llama31_rope",
     "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids", "apply_llama31_rope_pos_ids_inplace",
     "Error", "InvalidArgumentError", "UnsupportedError", "WorkspaceError", "PlanMismatchError", "BackendError",
-    "build_info", "cuda_available",
+    "build_info", "cuda_available", "CustomVariant", "builtin_variant",
 ]
 __version__ = _C.version()
 _torch.ensure_registered()

@@ -148,6 +148,18 @@ class BatchWrapper:
         self._impl.run(q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale, k_scale,
                        v_scale, sinks)
 
+    def _run_variant(self, q, kv_a, kv_b, out, lse, return_lse, sm_scale, k_scale, v_scale, variant, scalars,
+                     tensors):
+        if _torch.compiling():
+            raise NotImplementedError("run(variant=...): custom variants are not registered as torch custom ops")
+        if out is None:
+            out = empty(q, (q.shape[0], self._num_qo_heads, self._head_dim_vo), self._o_dtype)
+        if lse is None and return_lse:
+            lse = empty(q, (q.shape[0], self._num_qo_heads), _FLOAT32)
+        self._impl.run_variant(q, kv_a, kv_b, out, lse, sm_scale, k_scale, v_scale, variant,
+                               [float(x) for x in scalars], list(tensors))
+        return (out, lse) if return_lse else out
+
     # attnforge additions (not in FlashInfer)
     @property
     def workspace_bytes_needed(self):
@@ -170,7 +182,7 @@ class PagedWrapper(BatchWrapper):
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, sm_scale=None, logits_soft_cap=None,
-            stream=None):
+            stream=None, variant=None, variant_scalars=(), variant_tensors=()):
         """Attention of q [total_qo, num_qo_heads, head_dim_qk] (decode: batch_size * q_len_per_req rows) over the
         paged cache.
 
@@ -179,6 +191,10 @@ class PagedWrapper(BatchWrapper):
         [total_qo, num_qo_heads, head_dim_vo] (and lse [total_qo, num_qo_heads], log2 units, when return_lse).
         attnforge additions (keyword-only): ``sm_scale`` and ``logits_soft_cap`` override the plan's for this call;
         ``window_left`` may differ from the plan's; ``stream`` overrides the framework's current stream.
+        ``variant``: an ``attnforge.CustomVariant`` (C++ hooks compiled at run time and cached, see
+        attnforge/variant.h) run instead of the built-in options, with ``variant_scalars`` (up to 8 floats) and
+        ``variant_tensors`` (up to 4 arrays whose data pointers the hooks receive). CPU plans made with
+        ``disable_split_kv=True``; without softmax the LSE is NaN.
         """
         if args:
             no_custom_args(args, "run")
@@ -186,6 +202,9 @@ class PagedWrapper(BatchWrapper):
             kv_a, kv_b = paged_kv_cache
         else:
             kv_a, kv_b = paged_kv_cache, None
+        if variant is not None:
+            return self._run_variant(q, kv_a, kv_b, out, lse, return_lse, sm_scale, k_scale, v_scale, variant,
+                                     variant_scalars, variant_tensors)
         return self._run(q, kv_a, kv_b, out, lse, return_lse, stream, sm_scale, window_left, logits_soft_cap, q_scale,
                          k_scale, v_scale, sinks)
 

@@ -222,6 +222,21 @@ void BatchAttention::run(nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::han
   execute(c);
 }
 
+void BatchAttention::run_variant(nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::handle out, nb::handle lse,
+                                 const Overrides& overrides, const CustomVariant& variant,
+                                 const std::vector<float>& scalars, const std::vector<nb::handle>& tensors) {
+  if (plan_.kv_format == KVFormat::kRagged)
+    detail::fail(ErrorKind::kUnsupported,
+                 "variant {}: custom variants run on a paged KV cache; this plan is for ragged KV", variant.name);
+  const Call c = prepare(q, kv_a, kv_b, out, lse, 0, overrides);
+  VariantInputs inputs;
+  inputs.scalars = scalars;
+  for (size_t i = 0; i < tensors.size(); ++i)
+    inputs.tensors.push_back(view_of(tensors[i], fmt::format("variant_tensors[{}]", i).c_str()).data);
+  nb::gil_scoped_release release;  // the first call compiles the variant (seconds); other threads may run
+  attnforge::run_variant(plan_, c.q, c.paged, c.outputs, c.options, variant, inputs, Workspace{ws_, ws_usable_});
+}
+
 double BatchAttention::time_repeated_run(nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::handle out,
                                          nb::handle lse, uintptr_t stream, int iterations) {
   const Call c = prepare(q, kv_a, kv_b, out, lse, stream, Overrides{});

@@ -49,6 +49,11 @@ class BatchAttention {
   // kv_a, kv_b: paged: (k_cache, v_cache), or one [num_pages, 2, ...] tensor and None; ragged: (k, v).
   void run(nanobind::handle q, nanobind::handle kv_a, nanobind::handle kv_b, nanobind::handle out,
            nanobind::handle lse, uintptr_t stream, const Overrides& overrides);
+  // run() with a custom variant (attnforge/variant.h): the paged cache only, on plans without KV splits; the
+  // variant's extra tensors are arrays whose data pointers the hooks receive.
+  void run_variant(nanobind::handle q, nanobind::handle kv_a, nanobind::handle kv_b, nanobind::handle out,
+                   nanobind::handle lse, const Overrides& overrides, const CustomVariant& variant,
+                   const std::vector<float>& scalars, const std::vector<nanobind::handle>& tensors);
   // The benchmark's baseline: the same call made `iterations` times from C++ with the arrays converted once.
   // Returns host seconds for all of them (GPU work is queued, not waited for).
   double time_repeated_run(nanobind::handle q, nanobind::handle kv_a, nanobind::handle kv_b, nanobind::handle out,

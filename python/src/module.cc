@@ -126,6 +126,16 @@ NB_MODULE(_C, m) {
       .def_rw("shape", &python::PlanRequest::shape)
       .def_rw("options", &python::PlanRequest::options);
 
+  nb::class_<CustomVariant>(m, "CustomVariant")
+      .def(nb::init<>())
+      .def("__init__", [](CustomVariant* v, std::string name, std::string source) {
+             new (v) CustomVariant{std::move(name), std::move(source)};
+           }, nb::arg("name"), nb::arg("source"))
+      .def_rw("name", &CustomVariant::name)
+      .def_rw("source", &CustomVariant::source)
+      .def("__repr__", [](const CustomVariant& v) { return "CustomVariant(" + v.name + ")"; });
+  m.def("builtin_variant", &builtin_variant, "The built-in options written as a custom variant (BuiltinVariant)");
+
   nb::class_<python::BatchAttention>(m, "BatchAttention")
       .def(nb::init<nb::handle, KVLayout>(), nb::arg("float_workspace_buffer"), nb::arg("layout"))
       .def("plan", &python::BatchAttention::plan, nb::arg("request"), nb::arg("qo_indptr").none(),
@@ -143,6 +153,17 @@ NB_MODULE(_C, m) {
           nb::arg("stream"), nb::arg("sm_scale").none(), nb::arg("window_left").none(),
           nb::arg("logits_soft_cap").none(), nb::arg("q_scale").none(), nb::arg("k_scale").none(),
           nb::arg("v_scale").none(), nb::arg("sinks").none())
+      .def(
+          "run_variant",
+          [](python::BatchAttention& self, nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::handle out,
+             nb::handle lse, std::optional<float> sm_scale, std::optional<float> k_scale, std::optional<float> v_scale,
+             const CustomVariant& variant, const std::vector<float>& scalars, const std::vector<nb::handle>& tensors) {
+            self.run_variant(q, kv_a, kv_b, out, lse, {sm_scale, {}, {}, k_scale, v_scale, {}, nb::none()}, variant,
+                             scalars, tensors);
+          },
+          nb::arg("q"), nb::arg("kv_a"), nb::arg("kv_b").none(), nb::arg("out"), nb::arg("lse").none(),
+          nb::arg("sm_scale").none(), nb::arg("k_scale").none(), nb::arg("v_scale").none(), nb::arg("variant"),
+          nb::arg("scalars"), nb::arg("tensors"))
       .def("time_cpp_run", &python::BatchAttention::time_repeated_run, nb::arg("q"), nb::arg("kv_a"),
            nb::arg("kv_b").none(), nb::arg("out"), nb::arg("lse").none(), nb::arg("stream"), nb::arg("iterations"))
       .def_prop_ro("workspace_bytes", &python::BatchAttention::workspace_bytes)

@@ -139,6 +139,25 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
+// Median time in microseconds of `runs` calls of f on the default stream, after `warmup` untimed ones.
+template <typename F>
+double median_event_us(int warmup, int runs, F&& f, const char* what) {
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  std::vector<double> us;
+  for (int i = 0; i < warmup + runs; ++i) {
+    cudaEventRecord(e0);
+    f();
+    cudaEventRecord(e1);
+    check(cudaEventSynchronize(e1), what);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    if (i >= warmup) us.push_back(ms * 1e3);
+  }
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  return median(us);
+}
+
 // Device-to-device copy of 2 GiB: bytes read plus bytes written over the median time.
 struct CopyCeiling {
   double gbps, median_us;
@@ -147,20 +166,8 @@ CopyCeiling copy_bandwidth() {
   const size_t bytes = size_t{1} << 31;
   DeviceBuffer a(bytes), b(bytes);
   check(cudaMemset(a.ptr, 1, bytes), "cudaMemset");
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0), cudaEventCreate(&e1);
-  std::vector<double> us;
-  for (int i = 0; i < 13; ++i) {
-    cudaEventRecord(e0);
-    check(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync");
-    cudaEventRecord(e1);
-    check(cudaEventSynchronize(e1), "copy");
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    if (i >= 3) us.push_back(ms * 1e3);
-  }
-  cudaEventDestroy(e0), cudaEventDestroy(e1);
-  const double med = median(us);
+  const double med = median_event_us(
+      3, 10, [&] { check(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync"); }, "copy");
   return {2.0 * bytes / (med * 1e3), med};
 }
 
@@ -181,21 +188,8 @@ double gemm_tflops(double* median_us) {
                      c.ptr, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
       throw std::runtime_error("cublasGemmEx failed");
   };
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0), cudaEventCreate(&e1);
-  std::vector<double> us;
-  for (int i = 0; i < 23; ++i) {
-    cudaEventRecord(e0);
-    gemm();
-    cudaEventRecord(e1);
-    check(cudaEventSynchronize(e1), "gemm");
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    if (i >= 3) us.push_back(ms * 1e3);
-  }
-  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  *median_us = median_event_us(3, 20, gemm, "gemm");
   cublasDestroy(h);
-  *median_us = median(us);
   return 2.0 * n * n * static_cast<double>(n) / (*median_us * 1e6);
 #else
   *median_us = 0;
