@@ -4,8 +4,9 @@
 // Each of the 4 warps owns kMTiles consecutive m16 tiles of rows and reads every K/V tile of the item: the K
 // and V fragments a warp loads from shared memory feed kMTiles mma each, which keeps shared-memory traffic
 // under the tensor cores' appetite (see docs/perf-notes.md). A warp whose rows cannot see a tile (causal
-// diagonal, window) skips its compute. K/V stream through a 2-stage cp.async pipeline with the page ids of
-// the next tile fetched a tile ahead. Self-contained for NVRTC.
+// diagonal, window) skips its compute. K/V stream through a cp.async pipeline (3 stages of 32 tokens at head_dim
+// <= 128, 2 at 256), the page ids of each stage fetched one stage ahead into shared memory. Self-contained for
+// NVRTC.
 #pragma once
 
 #include "attnforge/kernel/params.h"
