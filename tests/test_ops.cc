@@ -363,6 +363,27 @@ TEST(SingleAttention, SplitKvMergedEqualsWholeKv) {
   }
 }
 
+// ---- fp8 decoding ----
+
+// The vector decoder (16 codes by bit arithmetic) gives the table's value for every code of both formats,
+// subnormals, infinities and NaN included, and load_row's vector body and scalar tail agree.
+TEST(Fp8Decode, VectorBitArithmeticMatchesTheTablesForEveryCode) {
+  for (DType t : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+    const float* table = t == DType::kFloat8E4M3 ? cpu::e4m3_table() : cpu::e5m2_table();
+    std::vector<uint8_t> codes(256 + 7);
+    for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i * 37 % 256);  // tail of 7 too
+    std::vector<float> out(codes.size());
+    cpu::load_row(codes.data(), t, 0, static_cast<int32_t>(codes.size()), 0.5f, out.data());
+    for (size_t i = 0; i < codes.size(); ++i) {
+      const float want = 0.5f * table[codes[i]];
+      if (std::isnan(want))
+        EXPECT_TRUE(std::isnan(out[i])) << to_string(t) << " code " << int(codes[i]);
+      else
+        EXPECT_EQ(want, out[i]) << to_string(t) << " code " << int(codes[i]);
+    }
+  }
+}
+
 // ---- append_paged_kv_cache ----
 
 // float value of an e4m3fn code, from the format's definition (sign, 4 exponent bits with bias 7, 3 mantissa

@@ -189,6 +189,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   }
 
   const bool rope = vp.rope.enabled != 0;
+  const bool fp8 = kv.dtype == DType::kFloat8E4M3 || kv.dtype == DType::kFloat8E5M2;
 #if defined(__AVX512BF16__)
   // bf16 Q and K without RoPE: dot products on the raw bf16 values (see score_row_bf16).
   const bool raw_bf16 = kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && !rope && dqk % 32 == 0;
@@ -246,6 +247,20 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
     for (int32_t t = 0; t < n; ++t) {
       k_base[t] = kv_k_offset(kv, b, j0 + t, 0);
       v_base[t] = kv_v_offset(kv, b, j0 + t, 0);
+    }
+    if (fp8) {
+      // fp8 rows are 64-128 bytes at a stride of all heads' rows: too few per 4 KB page for the hardware
+      // prefetchers, and the conversion loop stalls on every row. Request the next block's rows now.
+      const int32_t j1 = j0 + kKVBlock, n1 = std::min(kKVBlock, range_hi - j1);
+      for (int32_t t = 0; t < n1; ++t) {
+        const char* kp = static_cast<const char*>(kv.k) + kv_k_offset(kv, b, j1 + t, 0);
+        const char* vp8 = static_cast<const char*>(kv.v) + kv_v_offset(kv, b, j1 + t, 0);
+        for (int32_t kh = head0; kh < head1; ++kh)
+          for (int32_t c = 0; c < std::max(dqk, dvo); c += 64) {
+            if (c < dqk) __builtin_prefetch(kp + kh * kv.k_stride_head + c);
+            if (c < dvo) __builtin_prefetch(vp8 + kh * kv.v_stride_head + c);
+          }
+      }
     }
     for (int32_t kh = head0; kh < head1; ++kh) {
       const int32_t r_begin = (kh - head0) * per_head, r_end = r_begin + per_head;

@@ -1,5 +1,7 @@
 #include "backends/cpu/convert.h"
 
+#include "backends/cpu/simd.h"
+
 #include <cmath>
 #include <limits>
 
@@ -89,9 +91,14 @@ void load_row(const void* base, DType type, int64_t offset, int32_t n, float sca
     }
     case DType::kFloat8E4M3:
     case DType::kFloat8E5M2: {
-      const float* table = type == DType::kFloat8E4M3 ? e4m3_table() : e5m2_table();
+      // 16 codes at a time by bit arithmetic (simd.h); the table covers the tail.
+      const bool e4m3 = type == DType::kFloat8E4M3;
+      const float* table = e4m3 ? e4m3_table() : e5m2_table();
       const uint8_t* s = static_cast<const uint8_t*>(base) + offset;
-      for (int32_t i = 0; i < n; ++i) dst[i] = scale * table[s[i]];
+      int32_t i = 0;
+      for (; i + kLanes <= n; i += kLanes)
+        store16(dst + i, splat16(scale) * (e4m3 ? fp8x16_to_float<true>(s + i) : fp8x16_to_float<false>(s + i)));
+      for (; i < n; ++i) dst[i] = scale * table[s[i]];
       return;
     }
     default: return;  // index types never reach here: callers validated the dtype

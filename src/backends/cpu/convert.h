@@ -1,5 +1,6 @@
 // Element conversions for the CPU backend. Rows are converted to and from fp32 in loops the compiler
-// vectorizes (F16C for fp16, shifts for bf16, a 256-entry table for fp8).
+// vectorizes (F16C for fp16, shifts for bf16; fp8 by bit arithmetic 16 at a time, simd.h, with 256-entry tables
+// for tails and scalar use).
 #pragma once
 
 #include <cstdint>

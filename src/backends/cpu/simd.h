@@ -26,6 +26,37 @@ inline F16x bf16x16_to_float(const uint16_t* p) {
   return f;
 }
 
+typedef uint8_t U8x16 __attribute__((vector_size(16)));
+
+// 16 fp8 codes to fp32 by bit arithmetic, exactly as the decoding tables (convert.cc) define them: the magnitude
+// bits move into the fp32 exponent and mantissa fields, and one multiply by a power of two rebases the exponent
+// (2^120 for e4m3's bias 7, 2^112 for e5m2's bias 15); fp8 subnormals enter as fp32 subnormals, which the
+// multiply turns into exact normals. All-ones exponents: NaN for e4m3fn's S.1111.111; infinities and NaNs for
+// e5m2. NaN is the positive quiet NaN, as in the tables.
+template <bool kE4M3>
+inline F16x fp8x16_to_float(const uint8_t* p) {
+  U8x16 b;
+  std::memcpy(&b, p, sizeof(b));
+  const U32x16 x = __builtin_convertvector(b, U32x16);
+  const U32x16 mag = x & 0x7fu;
+  const U32x16 field = mag << (kE4M3 ? 20 : 21);
+  F16x f;
+  std::memcpy(&f, &field, sizeof(f));
+  f *= kE4M3 ? 0x1p120f : 0x1p112f;
+  U32x16 bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits |= (x & 0x80u) << 24;
+  const U32x16 nan = U32x16{} + 0x7fc00000u;
+  if constexpr (kE4M3) {
+    bits = mag == 0x7fu ? nan : bits;
+  } else {
+    bits = mag == 0x7cu ? ((x & 0x80u) << 24) | 0x7f800000u : bits;
+    bits = mag > 0x7cu ? nan : bits;
+  }
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 inline F16x load16(const float* p) {
   F16x v;
   std::memcpy(&v, p, sizeof(v));
