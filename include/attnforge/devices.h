@@ -18,5 +18,8 @@ struct DeviceInfo {
 std::vector<DeviceInfo> available_devices();
 // Build facts: version, commit, compiler, CUDA on/off and target architectures.
 std::string build_info();
+// The commit this library was built from (12 hex digits, or ATTNFORGE_COMMIT's value for a copied tree, or
+// "unknown"); read at build time, never at configure time.
+const char* git_commit();
 
 }  // namespace attnforge

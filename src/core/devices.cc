@@ -48,7 +48,7 @@ std::vector<DeviceInfo> available_devices() {
 }
 
 std::string build_info() {
-  return fmt::format("attnforge {} (commit {}), {} {}, C++{}, CUDA {}", version(), ATTNFORGE_GIT_COMMIT,
+  return fmt::format("attnforge {} (commit {}), {} {}, C++{}, CUDA {}", version(), git_commit(),
 #if defined(__clang__)
                      "clang", __clang_version__,
 #else

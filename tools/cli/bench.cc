@@ -174,7 +174,7 @@ nlohmann::json record(const std::string& suite, const std::string& name, const s
   j["ceiling"] = ceiling;
   j[memory ? "bytes" : "flops"] = m.work;
   j["iters"] = m.iters;
-  j["commit"] = ATTNFORGE_GIT_COMMIT;
+  j["commit"] = git_commit();
   j["detail"] = detail;
   return j;
 }

@@ -365,12 +365,12 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
     nlohmann::json c;
     c["suite"] = "decode", c["case"] = "device-to-device copy", c["system"] = "ceiling", c["device"] = dev;
     c["gbps"] = copy_gbps, c["ceiling"] = copy_gbps, c["median_us"] = copy.median_us, c["pct_of_ceiling"] = 100.0, c["iters"] = 10;
-    c["bytes"] = 2.0 * (size_t{1} << 31), c["commit"] = ATTNFORGE_GIT_COMMIT;
+    c["bytes"] = 2.0 * (size_t{1} << 31), c["commit"] = git_commit();
     out.push_back(c);
     if (gemm > 0) {
       nlohmann::json g;
       g["suite"] = "prefill", g["case"] = "cuBLAS bf16 gemm 8192^3", g["system"] = "ceiling", g["device"] = dev;
-      g["tflops"] = gemm, g["ceiling"] = gemm, g["pct_of_ceiling"] = 100.0, g["iters"] = 20, g["commit"] = ATTNFORGE_GIT_COMMIT;
+      g["tflops"] = gemm, g["ceiling"] = gemm, g["pct_of_ceiling"] = 100.0, g["iters"] = 20, g["commit"] = git_commit();
       g["median_us"] = gemm_us;
       out.push_back(g);
     }
@@ -382,7 +382,7 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
       j["median_us"] = r.median_us, j["gbps"] = gbps, j["tflops"] = tflops, j["flops"] = r.flops;
       j["ceiling"] = prefill ? gemm : copy_gbps;
       j["pct_of_ceiling"] = prefill ? (gemm > 0 ? tflops / gemm * 100 : 0.0) : gbps / copy_gbps * 100;
-      j["bytes"] = r.bytes, j["iters"] = r.iters, j["commit"] = ATTNFORGE_GIT_COMMIT;
+      j["bytes"] = r.bytes, j["iters"] = r.iters, j["commit"] = git_commit();
       if (r.graph_us > 0) j["graph_us"] = r.graph_us;
       j["detail"] = r.spec.describe() + "; " + r.plan;
       j["shape"] = {{"kv_lens", r.spec.kv_lens}, {"qo_lens", r.spec.qo_lens}, {"qo_len", r.spec.qo_lens[0]},

@@ -58,7 +58,7 @@ int run_warmup_bench(const WarmupCommandOptions& o) {
   settings.quiet = true;
   const int32_t threads = o.threads > 0 ? o.threads : static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
   nlohmann::json json;
-  json["commit"] = ATTNFORGE_GIT_COMMIT, json["arch"] = arch, json["threads"] = threads;
+  json["commit"] = git_commit(), json["arch"] = arch, json["threads"] = threads;
   json["device"] = gpus.empty() ? "none" : gpus[0].name;
   fmt::print("attnforge warmup --bench: {}\nNVRTC {}.{}, arch {}, {} threads, device {}\n\n", build_info(),
              jit::nvrtc_version().major, jit::nvrtc_version().minor, arch, threads,
