@@ -14,8 +14,10 @@
 #include <limits>
 #include <list>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "attnforge/context_parallel.h"
 #include "attnforge/devices.h"
 #include "attnforge/dlpack.h"
 #include "backends/cpu/convert.h"
@@ -690,6 +692,66 @@ TEST(DLPackErrors, UnsupportedDevice) {
   in.t.device = {kDLOpenCL, 0};
   expect_error([&] { from_dlpack(in.t, "my_tensor"); }, ErrorKind::kInvalidArgument,
                {"my_tensor", "device type 4", "not accepted"});
+}
+
+// ---- context parallelism ----
+
+TEST(ContextParallelErrors, PositionDependentOptionsAndSinksAreRejected) {
+  float one = 1.f;
+  uint8_t bits = 0;
+  int32_t zero = 0;
+  const TensorView per_head(&one, DType::kFloat32, {1});
+  const std::vector<std::pair<std::function<void(AttentionOptions&)>, std::string>> rejected = {
+      {[](AttentionOptions& o) { o.causal = true; }, "causal"},
+      {[](AttentionOptions& o) { o.window_left = 8; }, "window_left/window_right"},
+      {[](AttentionOptions& o) { o.window_right = 0; }, "window_left/window_right"},
+      {[&](AttentionOptions& o) { o.alibi_slopes = per_head; }, "alibi_slopes"},
+      {[](AttentionOptions& o) { o.rope.enabled = true; }, "rope"},
+      {[&](AttentionOptions& o) {
+         o.custom_mask = {TensorView(&bits, DType::kUInt8, {1}), TensorView(&zero, DType::kInt32, {1})};
+       },
+       "custom_mask"},
+      {[&](AttentionOptions& o) { o.sinks = per_head; }, "sinks"},
+  };
+  for (KVPartition partition : {KVPartition::kContiguous, KVPartition::kRoundRobinPages})
+    for (const auto& [edit, name] : rejected) {
+      AttentionOptions o;
+      edit(o);
+      expect_error([&] { check_context_parallel_options(o, partition); }, ErrorKind::kUnsupported,
+                   {name + ": not supported with context parallelism", to_string(partition)});
+    }
+  AttentionOptions ok;
+  ok.sm_scale = 0.1f;
+  ok.logits_soft_cap = 30.f;
+  EXPECT_NO_THROW(check_context_parallel_options(ok, KVPartition::kRoundRobinPages));
+}
+
+TEST(ContextParallelErrors, BadPartitionArguments) {
+  CaseSpec spec;
+  spec.kv_lens = {20};
+  spec.qo_lens = {1};
+  const Case c = make_case(spec);
+  const KVPartition kC = KVPartition::kContiguous;
+  expect_error([&] { partition_pages(c.paged.table, 16, 0, 0, kC); }, ErrorKind::kInvalidArgument,
+               {"world_size: 0", ">= 1"});
+  expect_error([&] { partition_pages(c.paged.table, 16, 4, 4, kC); }, ErrorKind::kInvalidArgument,
+               {"rank: 4", "[0, 4)"});
+  expect_error([&] { partition_pages(c.paged.table, 0, 2, 0, kC); }, ErrorKind::kInvalidArgument, {"page_size: 0"});
+  expect_error([&] { partition_pages(c.paged.table, 16, 2, 0, static_cast<KVPartition>(7)); },
+               ErrorKind::kInvalidArgument, {"partition: KVPartition(7)", "contiguous, round_robin_pages"});
+  // The table says 2 pages with 4 tokens in the last: with page_size 2 that last page would be overfull.
+  expect_error([&] { partition_pages(c.paged.table, 2, 2, 0, kC); }, ErrorKind::kInvalidArgument,
+               {"last_page_len[0]: 4", "[1, 2]"});
+  PageTable ragged = c.paged.table;
+  ragged.format = KVFormat::kRagged;
+  expect_error([&] { partition_pages(ragged, 16, 2, 0, kC); }, ErrorKind::kInvalidArgument, {"host_table: format"});
+  const RankStateLayout layout{1, 1, 4, DType::kFloat32};
+  float out[4], state[64];
+  const Outputs outs{TensorView(out, DType::kFloat32, {1, 1, 4}), {}};
+  expect_error([&] { merge_gathered_states(layout, state, 0, outs); }, ErrorKind::kInvalidArgument,
+               {"world_size: 0"});
+  expect_error([&] { merge_gathered_states(layout, nullptr, 2, outs); }, ErrorKind::kInvalidArgument,
+               {"buffer: null"});
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "attnforge/config.h"
+#include "attnforge/context_parallel.h"
 #include "attnforge/error.h"
 #include "attnforge/kv_cache.h"
 #include "attnforge/ops.h"
