@@ -55,19 +55,6 @@ WarmupReport warmup(const std::vector<AttentionConfig>&, const WarmupOptions&) {
                "warmup: this build has no run-time compiler (it was configured without the CUDA toolkit, so without "
                "NVRTC); nothing to warm");
 }
-}  // namespace attnforge::jit
-
-// The kernel cache that custom variants use is built with the run-time compiler (src/jit/variant.cc).
-namespace attnforge {
-CustomVariant builtin_variant() { return {"BuiltinVariant", "using BuiltinVariant = attnforge::BuiltinVariant;"}; }
-void run_variant(const AttentionPlan&, const TensorView&, const PagedKVCache&, const Outputs&,
-                 const AttentionOptions&, const CustomVariant& variant, const VariantInputs&, const Workspace&) {
-  detail::fail(ErrorKind::kUnsupported,
-               "variant {}: this build has no run-time compiler (configured without the CUDA toolkit)", variant.name);
-}
-}  // namespace attnforge
-
-namespace attnforge::jit {
 #else
 WarmupReport warmup(const std::vector<AttentionConfig>& configs, const WarmupOptions& options) {
   return warmup_with(process_cache(), current_settings(), configs, options);
