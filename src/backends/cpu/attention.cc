@@ -329,9 +329,11 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
         for (int32_t r = r_begin; r < r_end; ++r) {
           if (!active[r]) continue;
           const float* sr = s + r * kKVBlock;
+          // The block's 32 probabilities (zeros past n: masked scores) to bf16 pairs in one instruction, rounded to
+          // nearest even as float_to_bf16 does.
+          static_assert(kKVBlock == 32, "one cvtne2ps_pbh per block");
           uint32_t pairs[kKVBlock / 2];
-          for (int32_t t = 0; t < n; t += 2)
-            pairs[t / 2] = float_to_bf16(sr[t]) | static_cast<uint32_t>(t + 1 < n ? float_to_bf16(sr[t + 1]) : 0) << 16;
+          _mm512_storeu_si512(pairs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + 16), _mm512_loadu_ps(sr)));
           accumulate_pv_bf16(acc + r * dvo16, pairs, static_cast<const uint16_t*>(kv.v), v_rows, n, dvo);
         }
         continue;
