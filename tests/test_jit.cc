@@ -152,10 +152,11 @@ TEST(JitCompile, PrefillKernelsFromTheEmbeddedHeaders) {
         "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<64, attnforge::cuda::Bf16>>",
         "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<128, attnforge::cuda::F16>>",
         "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<256, attnforge::cuda::Bf16>>",
+        "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<128, attnforge::cuda::Bf16, true>>",
     };
     try {
       const CompiledModule m = compile(src);
-      EXPECT_EQ(3u, m.lowered_names.size()) << arch;
+      EXPECT_EQ(4u, m.lowered_names.size()) << arch;
       EXPECT_EQ(0, m.binary.compare(0, 4, "\x7f" "ELF")) << arch << ": not an ELF cubin";
     } catch (const std::exception& e) {
       ADD_FAILURE() << arch << ": " << e.what();

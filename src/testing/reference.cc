@@ -71,6 +71,10 @@ Reference compute(const Case& c, const std::vector<int64_t>& rows_wanted, bool r
         std::vector<Real> q(dqk), k(dqk);
         for (int32_t d = 0; d < dqk; ++d) q[d] = c.q_vals[(row * Hq + h) * dqk + d];
         if (o.rope) rotate(q, s, qpos + offset);
+        // Tensor-core kernels hold the rotated rows in the 16-bit operand type; so does the same-precision run.
+        const bool round_rotated = o.rope && round_output && s.q_dtype != DType::kFloat32;
+        if (round_rotated)
+          for (Real& x : q) x = Real(round_to(s.q_dtype, float(x)));
         std::vector<Real> logits(kv_len, kNegInf);
         for (int32_t j = 0; j < kv_len; ++j) {
           bool allowed = true;
@@ -85,6 +89,8 @@ Reference compute(const Case& c, const std::vector<int64_t>& rows_wanted, bool r
           for (int32_t d = 0; d < dqk; ++d)
             k[d] = Real(c.k_vals[b][(static_cast<size_t>(j) * Hk + kh) * dqk + d]) * Real(s.k_scale);
           if (o.rope) rotate(k, s, j + offset);
+          if (round_rotated)
+            for (Real& x : k) x = Real(round_to(s.q_dtype, float(x)));
           Real dot = 0;
           for (int32_t d = 0; d < dqk; ++d) dot += q[d] * k[d];
           Real x = sm_scale * dot;

@@ -175,7 +175,7 @@ TEST(CudaFuzz, RandomBatches) {
   int ran = 0;
   for (uint64_t seed = first; seed < first + iters; ++seed) {
     CaseSpec s = random_spec(seed);
-    // Fold the draw onto the CUDA subset: decode or prefill, 16-bit Q = K/V, head dims 64/128/256, no RoPE.
+    // Fold the draw onto the CUDA subset: decode or prefill, 16-bit Q = K/V, head dims 64/128/256.
     std::mt19937 rng(seed);
     if (s.kind == PlanKind::kDecode)
       for (int32_t& q : s.qo_lens) q = std::min(q, 8);
@@ -187,7 +187,6 @@ TEST(CudaFuzz, RandomBatches) {
     s.head_dim_qk = std::vector<int32_t>{64, 128, 256}[rng() % 3];
     s.head_dim_vo = 0;
     s.k_scale = s.v_scale = 1.f;
-    s.options.rope = s.options.rope_offsets = s.options.rope_interleave = s.options.rope_llama31 = false;
     if (!supports(cuda_config(s)).ok) continue;
     ++ran;
     std::string error;

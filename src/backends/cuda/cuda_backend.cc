@@ -76,7 +76,6 @@ class CudaBackend final : public Backend {
     if (s.head_dim_qk != s.head_dim_vo || (s.head_dim_qk != 64 && s.head_dim_qk != 128 && s.head_dim_qk != 256))
       return no(fmt::format("head_dim {}/{}: the CUDA {} kernels take equal Q/K and V head dims in {{64, 128, 256}}",
                             s.head_dim_qk, s.head_dim_vo, kernels));
-    if (c.rope) return no("rope: RoPE fused into attention is not built for CUDA yet; apply it with apply_rope first");
     return {};
   }
 

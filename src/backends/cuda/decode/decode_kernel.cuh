@@ -48,6 +48,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
   uint16_t* sQ = smem;
   uint16_t* sK = sQ + Tr::kRows * D;
   uint16_t* sV = sK + Tr::kStages * Tr::kTileElems;
+  __shared__ float s_freqs[D / 2];  // RoPE frequencies, when on
 
   const PlanView& plan = *p.plan;
   const KVParams& kv = p.kv;
@@ -59,6 +60,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
   const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
   const int num_items = plan.num_items;
+  const bool rope = vp.rope.enabled != 0;
+  if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
 
   for (int item_index = blockIdx.x; item_index < num_items; item_index += gridDim.x) {
     const WorkItem it = plan.items[item_index];
@@ -114,6 +117,15 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
       cp_async_commit();
     }
     if (Tr::kStages - 1 < num_tiles) fetch_pages(Tr::kStages - 1);
+    const int rope_offset = rope && vp.rope.pos_offset ? vp.rope.pos_offset[b] : 0;
+    if (rope) {  // Q rotated in place once it has landed (this drains the prologue's copies: RoPE only)
+      cp_async_wait<0>();
+      __syncthreads();
+      rope_rows<D, Tr::kThreads, Elem>(sQ, Tr::kRows, vp.rope, s_freqs, [&](int r) {
+        return r < rows ? query_position(query_row(it, row0 + r, group, kv_head).tok, qo_len, kv_len) + rope_offset
+                        : -1;
+      });
+    }
     for (int t = 0; t < num_tiles; ++t) {
       cp_async_wait<Tr::kStages - 2>();
       __syncthreads();  // tile t has landed for every thread, and every warp is done with tile t - 1
@@ -123,6 +135,12 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
         if (next + 1 < num_tiles) fetch_pages(next + 1);
       }
       cp_async_commit();
+      if (rope) {  // K of this tile rotated in place; a second barrier before any warp reads it
+        const int first = range_lo + t * Tr::kTileTokens;
+        rope_rows<D, Tr::kThreads, Elem>(sK + (t % Tr::kStages) * Tr::kTileElems, Tr::kTileTokens, vp.rope, s_freqs,
+                                         [&](int r) { return first + r < range_hi ? first + r + rope_offset : -1; });
+        __syncthreads();
+      }
 
       const uint16_t* k_tile = sK + (t % Tr::kStages) * Tr::kTileElems;
       const uint16_t* v_tile = sV + (t % Tr::kStages) * Tr::kTileElems;

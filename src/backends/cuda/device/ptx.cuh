@@ -82,6 +82,12 @@ __device__ __forceinline__ uint16_t float_to_f16(float f) {
   return r;
 }
 
+// The 16-bit element types to and from fp32 (round to nearest even), by the mma operand tag.
+__device__ __forceinline__ float elem_to_float(uint16_t h, Bf16) { return bf16_to_float(h); }
+__device__ __forceinline__ float elem_to_float(uint16_t h, F16) { return f16_to_float(h); }
+__device__ __forceinline__ uint16_t float_to_elem(float f, Bf16) { return float_to_bf16(f); }
+__device__ __forceinline__ uint16_t float_to_elem(float f, F16) { return float_to_f16(f); }
+
 // Stores one float as `type` (fp32, fp16 or bf16) at element `offset` of `base`.
 __device__ __forceinline__ void store_element(void* base, DType type, int64_t offset, float v) {
   if (type == DType::kFloat32)

@@ -31,6 +31,36 @@ struct SwizzledLane {
   __device__ __forceinline__ int at(int k) const { return base[k & 3] + ((k >> 2) << 6); }
 };
 
+// RoPE inside attention (kernel/variant.h semantics, as the CPU backend applies it): rotary frequencies once per
+// CTA into shared memory, then rows of a swizzled 16-bit tile rotated in place. Each thread takes (row, pair)
+// elements; the pair is rotated in fp32 and rounded back to the element type, the precision the tensor cores
+// read. pos_of(row) gives a row's position, or a negative value for rows to leave alone (padding). sincosf, not
+// __sincosf: positions reach 10^5-10^6 radians, where the fast version's error is large.
+template <int kThreads>
+__device__ __forceinline__ void rope_frequencies(const RopeParams& r, float* freqs) {
+  for (int p = threadIdx.x; p < r.rotary_dim / 2; p += kThreads) freqs[p] = rope_frequency(r, p);
+}
+
+template <int D, int kThreads, typename Elem, typename PosOf>
+__device__ __forceinline__ void rope_rows(uint16_t* tile, int num_rows, const RopeParams& r, const float* freqs,
+                                          PosOf pos_of) {
+  const int half = r.rotary_dim / 2;
+  for (int i = threadIdx.x; i < num_rows * half; i += kThreads) {
+    const int row = i / half, pair = i % half;
+    const int pos = pos_of(row);
+    if (pos < 0) continue;
+    int a, b;
+    rope_pair(r, pair, &a, &b);
+    float s, c;
+    sincosf(static_cast<float>(pos) * r.rcp_scale * freqs[pair], &s, &c);
+    uint16_t* pa = tile + swizzle<D>(row, a >> 3) + (a & 7);
+    uint16_t* pb = tile + swizzle<D>(row, b >> 3) + (b & 7);
+    const float xa = elem_to_float(*pa, Elem{}), xb = elem_to_float(*pb, Elem{});
+    *pa = float_to_elem(xa * c - xb * s, Elem{});
+    *pb = float_to_elem(xb * c + xa * s, Elem{});
+  }
+}
+
 // Packed query row rr of a work item: rows run over the item's query tokens, and within a token over the
 // query heads of KV head `kv_head`'s group, so every K/V element loaded serves all of them.
 struct QueryRow {

@@ -18,9 +18,9 @@ int configure() {
   return ctas_per_sm;
 }
 
-template <int D, typename Elem, int N>
+template <int D, typename Elem, bool kRope>
 void launch(const AttentionParams& p, cudaStream_t stream) {
-  using Tr = PrefillTraits<D, Elem, N>;
+  using Tr = PrefillTraits<D, Elem, kRope>;
   configure<Tr>();
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int row_blocks = (p.qo_tile * group + Tr::kRows - 1) / Tr::kRows;
@@ -29,9 +29,14 @@ void launch(const AttentionParams& p, cudaStream_t stream) {
   ATTNFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
-template <int D, int N = prefill_tile_tokens(D)>
+template <int D, bool kRope>
 void launch_dtype(const AttentionParams& p, cudaStream_t stream) {
-  p.q_dtype == DType::kBFloat16 ? launch<D, Bf16, N>(p, stream) : launch<D, F16, N>(p, stream);
+  p.q_dtype == DType::kBFloat16 ? launch<D, Bf16, kRope>(p, stream) : launch<D, F16, kRope>(p, stream);
+}
+
+template <int D>
+void launch_variant(const AttentionParams& p, cudaStream_t stream) {
+  p.variant.rope.enabled ? launch_dtype<D, true>(p, stream) : launch_dtype<D, false>(p, stream);
 }
 
 }  // namespace
@@ -47,9 +52,9 @@ int prefill_ctas_per_sm(int head_dim) {
 
 void run_prefill(const AttentionParams& p, cudaStream_t stream) {
   switch (p.head_dim_qk) {
-    case 64: launch_dtype<64>(p, stream); break;
-    case 128: launch_dtype<128>(p, stream); break;
-    case 256: launch_dtype<256>(p, stream); break;
+    case 64: launch_variant<64>(p, stream); break;
+    case 128: launch_variant<128>(p, stream); break;
+    case 256: launch_variant<256>(p, stream); break;
     default: break;  // rejected by CudaBackend::check before any launch
   }
   run_merge(p, stream);

@@ -18,10 +18,13 @@
 
 namespace attnforge::cuda {
 
-template <int kHeadDim_, typename Elem_, int kStageTokens_ = prefill_tile_tokens(kHeadDim_)>
+template <int kHeadDim_, typename Elem_, bool kRope_ = false, int kStageTokens_ = prefill_tile_tokens(kHeadDim_)>
 struct PrefillTraits {
   using Elem = Elem_;  // Bf16 or F16: Q and K/V element type, and the mma operand type
   static constexpr int kHeadDim = kHeadDim_;
+  // RoPE fused (Q and each K stage rotated in shared memory): its own instantiation, so the register budget of
+  // the common case does not carry it (it raised the head_dim 128 spills from 44 to 104 bytes).
+  static constexpr bool kRope = kRope_;
   static constexpr int kWarps = kPrefillWarps;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kMTiles = prefill_m_tiles(kHeadDim);
@@ -47,6 +50,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
   extern __shared__ __align__(128) uint16_t smem[];
   __shared__ int s_bounds[2][Tr::kWarps];
   __shared__ int32_t s_pages[Tr::kStages * NS];  // page ids of the tiles in flight
+  __shared__ float s_freqs[D / 2];               // RoPE frequencies, when on
   uint16_t* sQ = smem;
   uint16_t* sK = sQ + Tr::kRows * D;
   uint16_t* sV = sK + Tr::kStages * Tr::kStageElems;
@@ -62,6 +66,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
   const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
   const int num_items = plan.num_items;
+  constexpr bool rope = Tr::kRope;
+  if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
 
   // Items in reverse plan order: each request's last query tiles, the heaviest under causal masking, start
   // first, and the light ones fill the tail of the wave.
@@ -117,6 +123,15 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
       cp_async_commit();  // the first group carries Q as well
     }
     if (Tr::kStages - 1 < num_tiles) loader.fetch_pages(Tr::kStages - 1);
+    const int rope_offset = rope && vp.rope.pos_offset ? vp.rope.pos_offset[b] : 0;
+    if constexpr (rope) {  // Q rotated in place once it has landed (this drains the prologue's copies: RoPE only)
+      cp_async_wait<0>();
+      __syncthreads();
+      rope_rows<D, Tr::kThreads, Elem>(sQ, Tr::kRows, vp.rope, s_freqs, [&](int r) {
+        return r < rows ? query_position(query_row(it, row0 + r, group, kv_head).tok, qo_len, kv_len) + rope_offset
+                        : -1;
+      });
+    }
     // ldmatrix lanes: Q rows of the warp (A operand), K rows (B of Q K^T), V rows (B of P V, transposed).
     const SwizzledLane<D> q_lane(warp_row0 + lane % 16, lane / 16);
     const SwizzledLane<D> k_lane((lane % 8) + 8 * (lane / 16), (lane / 8) % 2);
@@ -142,6 +157,13 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
         if (next + 1 < num_tiles) loader.fetch_pages(next + 1);
       }
       cp_async_commit();
+      if constexpr (rope) {  // K of this stage rotated in place; a second barrier before any warp reads it
+        const int first = range_lo + t * NS;
+        rope_rows<D, Tr::kThreads, Elem>(sK + (t % Tr::kStages) * Tr::kStageElems, NS, vp.rope, s_freqs, [&](int r) {
+          return first + r < range_hi ? first + r + rope_offset : -1;
+        });
+        __syncthreads();
+      }
 
       #pragma unroll 1
       for (int sub = 0; sub < NS / N; ++sub) {  // a real loop: two copies of the body would spill
