@@ -1,7 +1,10 @@
 // The run-time compiler and its kernel cache, without a GPU (NVRTC compiles on the host): every built-in decode
-// kernel compiles for sm_80 and sm_90a from the embedded headers alone; the cache key, the entry format, the
-// cache modes, unsafe directories, damaged entries, and several processes and threads compiling one key at once.
+// and prefill kernel compiles for sm_80 and sm_90a from the embedded headers alone; keys, their names and their
+// errors; the launch configuration; the cache key, the entry format, the cache modes, unsafe directories, damaged
+// entries, and several processes and threads compiling one key at once; warm-up.
 #include <fcntl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/stat.h>
@@ -13,7 +16,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -22,6 +28,7 @@
 #include "attnforge/error.h"
 #include "attnforge/jit.h"
 #include "backends/cuda/decode/decode.h"
+#include "backends/cuda/prefill/prefill.h"
 #include "jit/embedded_headers.h"
 #include "jit/kernel_cache.h"
 #include "jit/kernel_key.h"
@@ -105,8 +112,34 @@ fs::path entry_path(const fs::path& dir, const KernelKey& key) {
 
 // ---- compiling ----
 
+// Compiles every key's rendered source on two threads; returns one message per key, empty when its module names
+// the attention and the merge kernel and holds an ELF cubin (and, with `no_spills`, ptxas reported no spill).
+std::vector<std::string> compile_all(const std::vector<KernelKey>& keys, bool no_spills) {
+  std::vector<std::string> failures(keys.size());
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i = next++; i < keys.size(); i = next++) {
+      try {
+        const CompiledModule m = compile(keys[i].render());
+        if (m.lowered_names.size() != 2 || m.lowered_names[kAttentionEntry].empty() ||
+            m.lowered_names[kMergeEntry].empty())
+          failures[i] = "missing kernel names";
+        else if (m.binary.size() < 4 || m.binary.compare(0, 4, "\x7f" "ELF") != 0)
+          failures[i] = "not an ELF cubin";
+        else if (no_spills && m.log.find("spill") != std::string::npos)
+          failures[i] = "ptxas: " + m.log;
+      } catch (const std::exception& e) {
+        failures[i] = e.what();
+      }
+    }
+  };
+  std::thread a(worker), b(worker);
+  a.join(), b.join();
+  return failures;
+}
+
 // Every built-in decode configuration (head_dim 64/128/256 x fp16/bf16), for sm_80 and sm_90a: 12 compiles on
-// two threads. Each module names the decode and the merge kernel and holds an ELF cubin; ptxas reports no spill.
+// two threads. ptxas reports no spill.
 TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
   std::vector<KernelKey> keys;
   for (const char* arch : {"sm_80", "sm_90a"})
@@ -118,50 +151,26 @@ TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
         k.arch = arch;
         keys.push_back(k);
       }
-  std::vector<std::string> failures(keys.size());
-  std::atomic<size_t> next{0};
-  auto worker = [&] {
-    for (size_t i = next++; i < keys.size(); i = next++) {
-      try {
-        const CompiledModule m = compile(keys[i].render());
-        if (m.lowered_names.size() != 2 || m.lowered_names[0].empty() || m.lowered_names[1].empty())
-          failures[i] = "missing kernel names";
-        else if (m.binary.size() < 4 || m.binary.compare(0, 4, "\x7f" "ELF") != 0)
-          failures[i] = "not an ELF cubin";
-        else if (m.log.find("spill") != std::string::npos)
-          failures[i] = "ptxas: " + m.log;
-      } catch (const std::exception& e) {
-        failures[i] = e.what();
-      }
-    }
-  };
-  std::thread a(worker), b(worker);
-  a.join(), b.join();
+  const std::vector<std::string> failures = compile_all(keys, /*no_spills=*/true);
   for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
 }
 
-// The prefill kernels compile from the embedded headers alone too (the run-time compiler has no prefill keys
-// yet; this keeps their headers NVRTC-clean): head_dim 64/128/256, sm_80 and sm_90a.
-TEST(JitCompile, PrefillKernelsFromTheEmbeddedHeaders) {
-  for (const char* arch : {"sm_80", "sm_90a"}) {
-    KernelSource src;
-    src.name = std::string("prefill_test_") + arch;
-    src.arch = arch;
-    src.source = "#include \"backends/cuda/prefill/prefill_kernel.cuh\"\n";
-    src.entry_points = {
-        "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<64, attnforge::cuda::Bf16>>",
-        "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<128, attnforge::cuda::F16>>",
-        "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<256, attnforge::cuda::Bf16>>",
-        "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<128, attnforge::cuda::Bf16, true>>",
-    };
-    try {
-      const CompiledModule m = compile(src);
-      EXPECT_EQ(4u, m.lowered_names.size()) << arch;
-      EXPECT_EQ(0, m.binary.compare(0, 4, "\x7f" "ELF")) << arch << ": not an ELF cubin";
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << arch << ": " << e.what();
-    }
-  }
+// Every built-in prefill configuration run() launches (head_dim 64/128/256 x fp16/bf16 x RoPE off/on, the default
+// tiles), for sm_80 and sm_90a, from the source its key renders: 24 compiles on two threads; and the stages of two
+// softmax steps on sm_90a (3 more). Spills are not checked: the nvcc build of these kernels spills a few bytes too
+// (prefill_kernel.cuh).
+TEST(JitCompile, EveryBuiltinPrefillKernelForSm80AndSm90a) {
+  std::vector<KernelKey> keys;
+  for (const char* arch : {"sm_80", "sm_90a"})
+    for (int32_t d : {64, 128, 256})
+      for (DType t : {DType::kFloat16, DType::kBFloat16})
+        for (bool rope : {false, true})
+          keys.push_back(prefill_key({32, 8, d, d, t, t, t}, arch, rope));
+  for (int32_t d : {64, 128, 256})
+    keys.push_back(prefill_key({32, 8, d, d, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16}, "sm_90a", false,
+                               PrefillTile{2}));
+  const std::vector<std::string> failures = compile_all(keys, /*no_spills=*/false);
+  for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
 }
 
 // The embedded text is the source tree's, and every kernel header is there.
@@ -199,27 +208,109 @@ TEST(JitKey, NamesAndRejectedFields) {
   KernelKey k;
   EXPECT_EQ(k.name(), "decode_d128_bf16_st2_sm90a");
   EXPECT_EQ(small_key().name(), "decode_d64_fp16_st2_sm80");
-  auto rejects = [](KernelKey key, const char* words) {
-    try {
-      key.render();
-      ADD_FAILURE() << key.name() << " accepted";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
-      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+  const AttentionShape bf16{32, 8, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16};
+  const AttentionShape fp16{16, 8, 64, 64, DType::kFloat16, DType::kFloat16, DType::kFloat16};
+  EXPECT_EQ(prefill_key(bf16, "sm_90a", true).name(), "prefill_d128_bf16_rope_sm90a");
+  EXPECT_EQ(prefill_key(bf16, "sm_90a", false).name(), "prefill_d128_bf16_sm90a");
+  EXPECT_EQ(prefill_key(fp16, "sm_80", false).name(), "prefill_d64_fp16_sm80");
+  EXPECT_EQ(prefill_key(bf16, "sm_90a", false, PrefillTile{2}).name(), "prefill_d128_bf16_stage64_sm90a");
+  // Each change of a valid key, and the words of the error it must raise.
+  struct Bad {
+    std::function<void(KernelKey&)> change;
+    const char* words;
+  };
+  auto rejects = [](const KernelKey& valid, const std::vector<Bad>& bads) {
+    for (const Bad& bad : bads) {
+      KernelKey key = valid;
+      bad.change(key);
+      try {
+        key.render();
+        ADD_FAILURE() << key.name() << " accepted; expected: " << bad.words;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+        EXPECT_NE(std::string(e.what()).find(bad.words), std::string::npos) << e.what();
+      }
     }
   };
-  KernelKey bad = k;
-  bad.head_dim_qk = bad.head_dim_vo = 96;
-  rejects(bad, "head_dim 96/96");
-  bad = k;
-  bad.kv_dtype = DType::kFloat8E4M3;
-  rejects(bad, "fp8 K/V is not built");
-  bad = k;
-  bad.tile.stages = 5;
-  rejects(bad, "tile.stages 5");
-  bad = k;
-  bad.variant = "sigmoid";
-  rejects(bad, "custom variants are not built yet");
+  rejects(k, {
+      {[](KernelKey& b) { b.head_dim_qk = b.head_dim_vo = 96; },
+       "head_dim 96/96: the decode kernel takes equal Q/K and V head dims in {64, 128, 256}"},
+      {[](KernelKey& b) { b.kv_dtype = DType::kFloat8E4M3; }, "fp8 K/V is not built"},
+      {[](KernelKey& b) { b.decode_tile.stages = 5; }, "decode_tile.stages 5: the decode kernel takes {2, 3}"},
+      {[](KernelKey& b) { b.variant = "sigmoid"; }, "custom variants are not built yet"},
+      {[](KernelKey& b) { b.rope = true; },
+       "rope true: the decode kernel reads RoPE from params at run time; a decode key takes {false}"},
+      {[](KernelKey& b) { b.prefill_tile.stage_steps = 2; },
+       "prefill_tile.stage_steps 2: a decode key takes the default {1}"},
+      {[](KernelKey& b) { b.family = static_cast<KernelFamily>(7); },
+       "kernel family 7: the run-time compiler builds {decode, prefill}"},
+  });
+  rejects(prefill_key(bf16, "sm_90a", true), {
+      {[](KernelKey& b) { b.head_dim_qk = b.head_dim_vo = 96; },
+       "head_dim 96/96: the prefill kernel takes equal Q/K and V head dims in {64, 128, 256}"},
+      {[](KernelKey& b) { b.head_dim_vo = 64; }, "head_dim 128/64: the prefill kernel"},
+      {[](KernelKey& b) { b.q_dtype = b.kv_dtype = DType::kFloat32; },
+       "q_dtype float32: the prefill kernel takes {bfloat16, float16}"},
+      {[](KernelKey& b) { b.kv_dtype = DType::kFloat8E4M3; },
+       "the prefill kernel needs K/V in the dtype of Q (fp8 K/V is not built"},
+      {[](KernelKey& b) { b.prefill_tile.stage_steps = 3; },
+       "prefill_tile.stage_steps 3: the prefill kernel takes {1, 2}"},
+      {[](KernelKey& b) { b.decode_tile.stages = 3; }, "decode_tile.stages 3: a prefill key takes the default {2}"},
+      {[](KernelKey& b) { b.arch = "hopper"; }, "arch 'hopper'"},
+  });
+  try {
+    prefill_key({32, 8, 80, 80, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16}, "sm_90a", false);
+    ADD_FAILURE() << "prefill_key accepted head_dim 80";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim 80/80"), std::string::npos) << e.what();
+  }
+}
+
+// Every valid key of both families has its own name, and its own source: two keys with one name would share a
+// log line and a disk entry's readable name, two with one source would be the same kernel under two names.
+TEST(JitKey, NamesAndSourcesAreUniqueAcrossFamilies) {
+  std::vector<KernelKey> keys;
+  for (const char* arch : {"sm_80", "sm_86", "sm_90a"})
+    for (int32_t d : {64, 128, 256})
+      for (DType t : {DType::kFloat16, DType::kBFloat16}) {
+        const AttentionShape shape{32, 8, d, d, t, t, t};
+        for (int32_t stages : {2, 3}) keys.push_back(decode_key(shape, arch, DecodeTile{stages}));
+        for (bool rope : {false, true})
+          for (int32_t steps : {1, 2}) keys.push_back(prefill_key(shape, arch, rope, PrefillTile{steps}));
+      }
+  std::map<std::string, std::string> source_by_name;
+  std::set<std::string> sources;
+  for (const KernelKey& k : keys) {
+    const KernelSource src = k.render();
+    EXPECT_EQ(src.name, k.name());
+    EXPECT_TRUE(source_by_name.emplace(src.name, src.source).second) << "two keys named " << src.name;
+    EXPECT_TRUE(sources.insert(src.arch + " " + src.entry_points[0]).second)
+        << "two keys build the kernel of " << src.name;
+  }
+  EXPECT_EQ(source_by_name.size(), 3u * 3 * 2 * (2 + 4));
+}
+
+// The prefill translation unit: the kernel header and the merge kernel, and the nvcc build's instantiation
+// (PrefillTraits' default stage is one softmax step, so the nvcc build's PrefillTraits<128, Bf16, true> is this type).
+TEST(JitKey, PrefillSourceInstantiatesTheTraitsOfTheKey) {
+  const AttentionShape bf16{32, 8, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16};
+  const KernelSource src = prefill_key(bf16, "sm_90a", true).render();
+  EXPECT_EQ(src.name, "prefill_d128_bf16_rope_sm90a");
+  EXPECT_EQ(src.arch, "sm_90a");
+  ASSERT_EQ(src.entry_points.size(), 2u);
+  EXPECT_EQ(src.entry_points[kAttentionEntry],
+            "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<128, attnforge::cuda::Bf16, true, 32>>");
+  EXPECT_EQ(src.entry_points[kMergeEntry], "&attnforge::cuda::merge_kernel");
+  EXPECT_NE(src.source.find("#include \"backends/cuda/prefill/prefill_kernel.cuh\""), std::string::npos) << src.source;
+  EXPECT_NE(src.source.find("#include \"backends/cuda/merge/merge_kernel.cuh\""), std::string::npos) << src.source;
+  EXPECT_NE(src.source.find("template __global__ void attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<"
+                            "128, attnforge::cuda::Bf16, true, 32>>(const attnforge::AttentionParams);"),
+            std::string::npos)
+      << src.source;
+  EXPECT_EQ(src.warmup_command, "attnforge warmup --arch sm_90a --head-dim 128 --dtype bf16");
+  const AttentionShape fp16{16, 8, 64, 64, DType::kFloat16, DType::kFloat16, DType::kFloat16};
+  EXPECT_EQ(prefill_key(fp16, "sm_80", false, PrefillTile{2}).render().entry_points[kAttentionEntry],
+            "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<64, attnforge::cuda::F16, false, 128>>");
 }
 
 // The cache key follows the content: the source, any embedded header's text, the options, the architecture and
@@ -248,7 +339,7 @@ TEST(JitKey, ChangesWithHeaderTextOptionsAndArch) {
   other.arch = "sm_80";
   EXPECT_NE(base, cache_key(other.render(), compile_options("sm_80")));
   other = KernelKey{};
-  other.tile.stages = 3;
+  other.decode_tile.stages = 3;
   EXPECT_NE(base, cache_key(other.render(), options));
   KernelSource renamed = src;
   renamed.name = "another_name";  // a name is never part of the key
@@ -485,7 +576,7 @@ TEST(JitLaunch, OneConfigurationFromTheTraits) {
   auto smem = [](int d, int stages) { return 2 * (16 * d + 2 * stages * 64 * d); };
   for (int d : {64, 128, 256})
     for (int stages : {2, 3}) {
-      const cuda::DecodeAttributes a = cuda::decode_attributes(d, stages);
+      const cuda::KernelAttributes a = cuda::decode_attributes(d, stages);
       EXPECT_EQ(a.threads, 128);
       EXPECT_EQ(a.max_dynamic_smem, smem(d, stages)) << "head_dim " << d << ", stages " << stages;
       EXPECT_EQ(a.carveout_percent, 100);
@@ -494,26 +585,85 @@ TEST(JitLaunch, OneConfigurationFromTheTraits) {
   p.num_qo_heads = 32, p.num_kv_heads = 8, p.head_dim_qk = p.head_dim_vo = 128;
   p.qo_tile = 8;  // 8 tokens x 4 heads of a group = 32 rows = 2 blocks of 16
   p.item_capacity = 0, p.merge_capacity = 0;
-  cuda::DecodeLaunchConfig c = cuda::decode_launch_config(p, 2);
-  EXPECT_EQ(c.decode.grid.x, 1u) << "an empty plan still launches one CTA, which finds no item";
-  EXPECT_EQ(c.decode.grid.y, 8u);
-  EXPECT_EQ(c.decode.grid.z, 2u);
-  EXPECT_EQ(c.decode.smem_bytes, static_cast<unsigned>(smem(128, 2)));
+  cuda::LaunchConfig c = cuda::decode_launch_config(p, 2);
+  EXPECT_EQ(c.attention.grid.x, 1u) << "an empty plan still launches one CTA, which finds no item";
+  EXPECT_EQ(c.attention.grid.y, 8u);
+  EXPECT_EQ(c.attention.grid.z, 2u);
+  EXPECT_EQ(c.attention.smem_bytes, static_cast<unsigned>(smem(128, 2)));
   EXPECT_FALSE(c.run_merge);
   p.item_capacity = 700, p.merge_capacity = 30, p.qo_tile = 1;
   c = cuda::decode_launch_config(p, 3);
-  EXPECT_EQ(c.decode.grid.x, 700u);
-  EXPECT_EQ(c.decode.grid.z, 1u);
-  EXPECT_EQ(c.decode.smem_bytes, static_cast<unsigned>(smem(128, 3)));
+  EXPECT_EQ(c.attention.grid.x, 700u);
+  EXPECT_EQ(c.attention.grid.z, 1u);
+  EXPECT_EQ(c.attention.smem_bytes, static_cast<unsigned>(smem(128, 3)));
   EXPECT_TRUE(c.run_merge);
   EXPECT_EQ(c.merge.grid.x, 30u);
   EXPECT_EQ(c.merge.grid.y, 32u);
   EXPECT_EQ(c.merge.smem_bytes, 0u);
 }
 
+// The prefill kernel: 4 warps; Q rows, then the K and V stages (3 stages of one softmax step up to head_dim 128, 2
+// at 256 or with two steps a stage), 16-bit elements; 128 rows a CTA up to head_dim 128, 64 at 256.
+TEST(JitLaunch, PrefillConfigurationFromTheTraits) {
+  struct Expected {
+    int d, step, rows, stages;
+  };
+  for (const Expected e : {Expected{64, 64, 128, 3}, Expected{128, 32, 128, 3}, Expected{256, 32, 64, 2}})
+    for (int steps : {1, 2}) {
+      const int stage_tokens = steps * e.step;
+      const int stages = steps == 1 ? e.stages : 2;
+      const cuda::KernelAttributes a = cuda::prefill_attributes(e.d, stage_tokens);
+      EXPECT_EQ(a.threads, 128);
+      EXPECT_EQ(a.max_dynamic_smem, 2 * (e.rows * e.d + 2 * stages * stage_tokens * e.d))
+          << "head_dim " << e.d << ", stage tokens " << stage_tokens;
+      EXPECT_EQ(a.carveout_percent, 100);
+      EXPECT_EQ(cuda::prefill_rows(e.d), e.rows);
+      EXPECT_EQ(cuda::prefill_tile_tokens(e.d), e.step);
+    }
+  // The grid's x and y and the merge come from attention_launch_config (checked through decode above); prefill
+  // brings its rows per CTA and its shared memory.
+  AttentionParams p{};
+  p.num_qo_heads = 32, p.num_kv_heads = 8;  // groups of 4 query heads
+  p.item_capacity = 300, p.merge_capacity = 12;
+  struct Blocks {
+    int d, qo_tile;
+    unsigned row_blocks;
+  };
+  for (const Blocks b : {Blocks{64, 32, 1}, Blocks{128, 64, 2}, Blocks{128, 65, 3}, Blocks{256, 17, 2}}) {
+    p.head_dim_qk = p.head_dim_vo = b.d, p.qo_tile = b.qo_tile;
+    const cuda::LaunchConfig c = cuda::prefill_launch_config(p, cuda::prefill_tile_tokens(b.d));
+    EXPECT_EQ(c.attention.grid.x, 300u);
+    EXPECT_EQ(c.attention.grid.y, 8u);
+    EXPECT_EQ(c.attention.grid.z, b.row_blocks) << "head_dim " << b.d << ", qo_tile " << b.qo_tile;
+    EXPECT_EQ(c.attention.block.x, 128u);
+    EXPECT_EQ(c.attention.smem_bytes,
+              static_cast<unsigned>(cuda::prefill_attributes(b.d, cuda::prefill_tile_tokens(b.d)).max_dynamic_smem));
+    EXPECT_TRUE(c.run_merge);
+    EXPECT_EQ(c.merge.grid.x, 12u);
+  }
+}
+
 // ---- warm-up ----
 
-// Configurations that differ only in run-time values share kernels; prefill and fp8 K/V are reported as skipped.
+// The default set holds, for each head dim and dtype, the decode kernel and both prefill kernels (RoPE off and on),
+// and nothing the run-time kernels do not serve.
+TEST(JitWarmup, DefaultSetHoldsDecodeAndPrefillKernels) {
+  std::set<std::string> names;
+  for (const AttentionConfig& c : default_warmup_configs())
+    names.insert((c.kind == PlanKind::kDecode ? decode_key(c.shape, "sm_90a") : prefill_key(c.shape, "sm_90a", c.rope))
+                     .name());
+  std::set<std::string> expected;
+  for (int d : {64, 128, 256})
+    for (const char* t : {"fp16", "bf16"}) {
+      expected.insert(fmt::format("decode_d{}_{}_st2_sm90a", d, t));
+      expected.insert(fmt::format("prefill_d{}_{}_sm90a", d, t));
+      expected.insert(fmt::format("prefill_d{}_{}_rope_sm90a", d, t));
+    }
+  EXPECT_EQ(names, expected);
+}
+
+// Configurations that differ only in run-time values share kernels (page size, head counts; RoPE for decode);
+// prefill kernels compile first (the long compiles); fp8 K/V is reported as skipped.
 TEST(JitWarmup, DedupesConfigurationsAndReportsWhatItSkips) {
   TempDir tmp;
   set_cache_dir(tmp.path.string());
@@ -525,31 +675,41 @@ TEST(JitWarmup, DedupesConfigurationsAndReportsWhatItSkips) {
   });
   std::vector<AttentionConfig> configs;
   for (const AttentionConfig& c : default_warmup_configs())
-    if (c.shape.head_dim_qk == 64) configs.push_back(c);
+    if (c.shape.head_dim_qk == 64 && c.kind == PlanKind::kDecode) configs.push_back(c);
   ASSERT_EQ(configs.size(), 8u);  // two models x two dtypes x two page sizes
-  AttentionConfig prefill = configs[0];
+  AttentionConfig decode_rope = configs[0];
+  decode_rope.rope = true;
+  AttentionConfig prefill = configs[0];  // bf16, page size 1
   prefill.kind = PlanKind::kPrefill;
+  AttentionConfig prefill_other = prefill;
+  prefill_other.page_size = 16;
+  prefill_other.shape.num_qo_heads = 32;
   AttentionConfig fp8 = configs[0];
   fp8.shape.kv_dtype = DType::kFloat8E4M3;
-  configs.push_back(prefill);
-  configs.push_back(fp8);
+  configs.insert(configs.end(), {decode_rope, prefill, prefill_other, fp8});
   WarmupOptions options;
   options.archs = {"sm_80"};
   options.threads = 2;
   const WarmupReport first = warmup(configs, options);
   ASSERT_TRUE(first.ok());
-  ASSERT_EQ(first.kernels.size(), 2u);  // fp16 and bf16
-  EXPECT_EQ(first.kernels[0].name, "decode_d64_bf16_st2_sm80");
-  EXPECT_EQ(first.kernels[0].origin, "compiled");
-  ASSERT_EQ(first.skipped.size(), 2u);
-  EXPECT_NE(first.skipped[0].find("no CUDA prefill kernel yet"), std::string::npos) << first.skipped[0];
-  EXPECT_NE(first.skipped[1].find("fp8 K/V is not built"), std::string::npos) << first.skipped[1];
-  EXPECT_EQ(files_in(tmp.path).size(), 2u);
+  ASSERT_EQ(first.kernels.size(), 3u);  // prefill bf16; decode bf16 and fp16
+  EXPECT_EQ(first.kernels[0].name, "prefill_d64_bf16_sm80");
+  EXPECT_EQ(first.kernels[1].name, "decode_d64_bf16_st2_sm80");
+  EXPECT_EQ(first.kernels[2].name, "decode_d64_fp16_st2_sm80");
+  for (const WarmupReport::Kernel& k : first.kernels) EXPECT_EQ(k.origin, "compiled") << k.name;
+  ASSERT_EQ(first.skipped.size(), 1u);
+  EXPECT_NE(first.skipped[0].find("fp8 K/V is not built"), std::string::npos) << first.skipped[0];
+  EXPECT_EQ(files_in(tmp.path).size(), 3u);
   const WarmupReport second = warmup(configs, options);
-  EXPECT_EQ(second.kernels[0].origin, "memory");
+  for (const WarmupReport::Kernel& k : second.kernels) EXPECT_EQ(k.origin, "memory") << k.name;
   set_log_sink(nullptr);
   set_cache_dir("");
-  EXPECT_EQ(lines.size(), 4u) << "one line before and one after each of the two compiles";
+  // One line before and one after each of the three compiles (and NVRTC's warnings, such as ptxas's spill report
+  // for the prefill kernel, on lines of their own).
+  int compile_lines = 0;
+  for (const std::string& l : lines)
+    compile_lines += l.find("attnforge jit: compiling ") == 0 || l.find("attnforge jit: compiled ") == 0;
+  EXPECT_EQ(compile_lines, 6) << fmt::format("{}", fmt::join(lines, "\n"));
 }
 
 TEST(JitSettings, ModesParseAndBadValuesAreNamed) {

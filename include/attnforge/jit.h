@@ -64,13 +64,12 @@ struct WarmupReport {
 };
 
 // Compiles (or loads) every kernel the configurations need, in parallel. Configurations that differ only in
-// run-time values (page size, number of heads) share kernels; decode configurations the run-time kernels do not
-// serve (fp8 K/V, other head dims) and prefill configurations (no CUDA prefill kernel yet) are listed in
-// `skipped`. Throws kUnsupported in a build without NVRTC.
+// run-time values (page size, number of heads; RoPE for decode) share kernels; configurations the run-time kernels
+// do not serve (fp8 K/V, other head dims) are listed in `skipped`. Throws kUnsupported in a build without NVRTC.
 WarmupReport warmup(const std::vector<AttentionConfig>& configs, const WarmupOptions& options = {});
 
-// The common Llama, Qwen and Mistral decode shapes: head_dim 64/128/256, fp16/bf16, page sizes 1 and 16.
-// fp8 K/V is left out: the CUDA kernels do not take it yet.
+// The common Llama, Qwen and Mistral shapes, decode and prefill: head_dim 64/128/256, fp16/bf16, page sizes 1 and
+// 16, prefill with and without RoPE fused (a kernel each). fp8 K/V is left out: the CUDA kernels do not take it yet.
 std::vector<AttentionConfig> default_warmup_configs();
 
 }  // namespace attnforge::jit

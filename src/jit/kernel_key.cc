@@ -2,47 +2,74 @@
 
 #include <fmt/format.h>
 
+#include "backends/cuda/prefill/tile_config.cuh"
 #include "core/check.h"
 
 namespace attnforge::jit {
 
 namespace {
 
-// Short dtype names for kernel names and the template argument of DecodeTraits.
+// Short dtype names for kernel names and the element type argument of the traits.
 const char* short_name(DType t) { return t == DType::kFloat16 ? "fp16" : t == DType::kBFloat16 ? "bf16" : "?"; }
 const char* elem_type(DType t) { return t == DType::kFloat16 ? "attnforge::cuda::F16" : "attnforge::cuda::Bf16"; }
 
 }  // namespace
 
+const char* to_string(KernelFamily family) { return family == KernelFamily::kPrefill ? "prefill" : "decode"; }
+
 std::string KernelKey::name() const {
   std::string arch_short = arch;
   if (arch_short.rfind("sm_", 0) == 0) arch_short.erase(2, 1);  // "sm90a"
   const std::string variant_part = variant == "builtin" ? "" : "_" + variant;
-  return fmt::format("decode{}_d{}_{}_st{}_{}", variant_part, head_dim_qk, short_name(q_dtype), tile.stages,
+  if (family == KernelFamily::kPrefill) {
+    const std::string tile_part =
+        prefill_tile == PrefillTile{} ? "" : fmt::format("_stage{}", prefill_stage_tokens());
+    return fmt::format("prefill{}_d{}_{}{}{}_{}", variant_part, head_dim_qk, short_name(q_dtype), rope ? "_rope" : "",
+                       tile_part, arch_short);
+  }
+  return fmt::format("decode{}_d{}_{}_st{}_{}", variant_part, head_dim_qk, short_name(q_dtype), decode_tile.stages,
                      arch_short);
 }
 
 void KernelKey::validate() const {
-  if (family != KernelFamily::kDecode)
-    detail::fail(ErrorKind::kUnsupported, "kernel family {}: the run-time compiler builds {{decode}}",
+  if (family != KernelFamily::kDecode && family != KernelFamily::kPrefill)
+    detail::fail(ErrorKind::kUnsupported, "kernel family {}: the run-time compiler builds {{decode, prefill}}",
                  static_cast<int>(family));
+  const char* kernel = to_string(family);
   if (variant != "builtin")
     detail::fail(ErrorKind::kUnsupported, "variant {}: custom variants are not built yet; accepted: {{builtin}}",
                  variant);
   if (q_dtype != DType::kBFloat16 && q_dtype != DType::kFloat16)
-    detail::fail(ErrorKind::kUnsupported, "q_dtype {}: the decode kernel takes {{bfloat16, float16}}",
-                 to_string(q_dtype));
+    detail::fail(ErrorKind::kUnsupported, "q_dtype {}: the {} kernel takes {{bfloat16, float16}}", to_string(q_dtype),
+                 kernel);
   if (kv_dtype != q_dtype)
     detail::fail(ErrorKind::kUnsupported,
-                 "kv_dtype {} with q_dtype {}: the decode kernel needs K/V in the dtype of Q (fp8 K/V is not built "
+                 "kv_dtype {} with q_dtype {}: the {} kernel needs K/V in the dtype of Q (fp8 K/V is not built "
                  "for CUDA yet)",
-                 to_string(kv_dtype), to_string(q_dtype));
+                 to_string(kv_dtype), to_string(q_dtype), kernel);
   if (head_dim_qk != head_dim_vo || (head_dim_qk != 64 && head_dim_qk != 128 && head_dim_qk != 256))
     detail::fail(ErrorKind::kUnsupported,
-                 "head_dim {}/{}: the decode kernel takes equal Q/K and V head dims in {{64, 128, 256}}", head_dim_qk,
-                 head_dim_vo);
-  if (tile.stages != 2 && tile.stages != 3)
-    detail::fail(ErrorKind::kUnsupported, "tile.stages {}: the decode kernel takes {{2, 3}}", tile.stages);
+                 "head_dim {}/{}: the {} kernel takes equal Q/K and V head dims in {{64, 128, 256}}", head_dim_qk,
+                 head_dim_vo, kernel);
+  // The other family's fields stay at their defaults, so that one kernel has one key and one name.
+  if (family == KernelFamily::kDecode) {
+    if (decode_tile.stages != 2 && decode_tile.stages != 3)
+      detail::fail(ErrorKind::kUnsupported, "decode_tile.stages {}: the decode kernel takes {{2, 3}}",
+                   decode_tile.stages);
+    if (rope)
+      detail::fail(ErrorKind::kUnsupported,
+                   "rope true: the decode kernel reads RoPE from params at run time; a decode key takes {{false}}");
+    if (prefill_tile != PrefillTile{})
+      detail::fail(ErrorKind::kUnsupported, "prefill_tile.stage_steps {}: a decode key takes the default {{{}}}",
+                   prefill_tile.stage_steps, PrefillTile{}.stage_steps);
+  } else {
+    if (prefill_tile.stage_steps != 1 && prefill_tile.stage_steps != 2)
+      detail::fail(ErrorKind::kUnsupported, "prefill_tile.stage_steps {}: the prefill kernel takes {{1, 2}}",
+                   prefill_tile.stage_steps);
+    if (decode_tile != DecodeTile{})
+      detail::fail(ErrorKind::kUnsupported, "decode_tile.stages {}: a prefill key takes the default {{{}}}",
+                   decode_tile.stages, DecodeTile{}.stages);
+  }
   if (arch.rfind("sm_", 0) != 0)
     detail::fail(ErrorKind::kUnsupported, "arch '{}': expected a real architecture such as sm_80 or sm_90a", arch);
 }
@@ -53,30 +80,61 @@ KernelSource KernelKey::render() const {
   s.name = name();
   s.arch = arch;
   s.warmup_command = warmup_command();
+  const bool prefill = family == KernelFamily::kPrefill;
   const std::string traits =
-      fmt::format("attnforge::cuda::DecodeTraits<{}, {}, {}>", head_dim_qk, elem_type(q_dtype), tile.stages);
-  s.entry_points = {fmt::format("&attnforge::cuda::decode_kernel<{}>", traits), "&attnforge::cuda::merge_kernel"};
+      prefill ? fmt::format("attnforge::cuda::PrefillTraits<{}, {}, {}, {}>", head_dim_qk, elem_type(q_dtype), rope,
+                            prefill_stage_tokens())
+              : fmt::format("attnforge::cuda::DecodeTraits<{}, {}, {}>", head_dim_qk, elem_type(q_dtype),
+                            decode_tile.stages);
+  const std::string kernel = fmt::format("attnforge::cuda::{}_kernel<{}>", to_string(family), traits);
+  s.entry_points = {"&" + kernel, "&attnforge::cuda::merge_kernel"};
+  const std::string tile = prefill
+                               ? fmt::format("rope {}, stage tokens {}", rope ? "on" : "off", prefill_stage_tokens())
+                               : fmt::format("stages {}", decode_tile.stages);
   s.source = fmt::format(
-      "// attnforge run-time kernel {}: family decode, variant {}, q {}, kv {}, head_dim {}/{}, stages {}, {}\n"
-      "#include \"backends/cuda/decode/decode_kernel.cuh\"\n"
+      "// attnforge run-time kernel {}: family {}, variant {}, q {}, kv {}, head_dim {}/{}, {}, {}\n"
+      "#include \"backends/cuda/{}/{}_kernel.cuh\"\n"
       "#include \"backends/cuda/merge/merge_kernel.cuh\"\n"
-      "template __global__ void attnforge::cuda::decode_kernel<{}>(const attnforge::AttentionParams);\n",
-      s.name, variant, to_string(q_dtype), to_string(kv_dtype), head_dim_qk, head_dim_vo, tile.stages, arch, traits);
+      "template __global__ void {}(const attnforge::AttentionParams);\n",
+      s.name, to_string(family), variant, to_string(q_dtype), to_string(kv_dtype), head_dim_qk, head_dim_vo, tile,
+      arch, to_string(family), to_string(family), kernel);
   return s;
+}
+
+int32_t KernelKey::prefill_stage_tokens() const {
+  return prefill_tile.stage_steps * cuda::prefill_tile_tokens(head_dim_qk);
 }
 
 std::string KernelKey::warmup_command() const {
   return fmt::format("attnforge warmup --arch {} --head-dim {} --dtype {}", arch, head_dim_qk, short_name(q_dtype));
 }
 
-KernelKey decode_key(const AttentionShape& shape, const std::string& arch, DecodeTile tile) {
+namespace {
+
+KernelKey key_of(KernelFamily family, const AttentionShape& shape, const std::string& arch) {
   KernelKey k;
+  k.family = family;
   k.q_dtype = shape.q_dtype;
   k.kv_dtype = shape.kv_dtype;
   k.head_dim_qk = shape.head_dim_qk;
   k.head_dim_vo = shape.head_dim_vo > 0 ? shape.head_dim_vo : shape.head_dim_qk;
-  k.tile = tile;
   k.arch = arch;
+  return k;
+}
+
+}  // namespace
+
+KernelKey decode_key(const AttentionShape& shape, const std::string& arch, DecodeTile tile) {
+  KernelKey k = key_of(KernelFamily::kDecode, shape, arch);
+  k.decode_tile = tile;
+  k.validate();
+  return k;
+}
+
+KernelKey prefill_key(const AttentionShape& shape, const std::string& arch, bool rope, PrefillTile tile) {
+  KernelKey k = key_of(KernelFamily::kPrefill, shape, arch);
+  k.rope = rope;
+  k.prefill_tile = tile;
   k.validate();
   return k;
 }

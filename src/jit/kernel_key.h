@@ -1,7 +1,7 @@
 // Specialization keys of the run-time compiled kernels. A key names everything that selects a kernel binary;
-// run-time values (lengths, batch size, page size, page counts, output dtype, options read from params) are not
-// in it. A key renders both the translation unit NVRTC compiles and a readable kernel name; the cache key hashes
-// what the key renders (kernel_cache.h), never the key's name.
+// run-time values (lengths, batch size, page size, page counts, head counts, output dtype, options read from
+// params) are not in it. A key renders both the translation unit NVRTC compiles and a readable kernel name; the
+// cache key hashes what the key renders (kernel_cache.h), never the key's name.
 #pragma once
 
 #include <string>
@@ -14,14 +14,25 @@
 namespace attnforge::jit {
 
 enum class KernelFamily : int32_t {
-  kDecode = 0,  // batch decode (backends/cuda/decode/decode_kernel.cuh) and its split-KV merge kernel
+  kDecode = 0,   // batch decode (backends/cuda/decode/decode_kernel.cuh) and its split-KV merge kernel
+  kPrefill = 1,  // batch prefill and append (backends/cuda/prefill/prefill_kernel.cuh) and the same merge kernel
 };
+const char* to_string(KernelFamily family);  // "decode", "prefill"
 
 // The tile configuration of a decode kernel: 4 warps of 16 tokens per 64-token K/V tile over 16 query rows are
 // fixed by the kernel's design; the depth of the cp.async pipeline is free.
 struct DecodeTile {
   int32_t stages = cuda::kDefaultDecodeStages;  // 2 or 3
   bool operator==(const DecodeTile&) const = default;
+};
+
+// The tile configuration of a prefill kernel. Rows per CTA, warps and the softmax step (K/V tokens per step) follow
+// from the head dim (backends/cuda/prefill/tile_config.cuh: what fits the register file); free is how many steps
+// one cp.async stage holds (PrefillTraits' kStageTokens = stage_steps x the step), which also sets the stage count
+// (3 stages of one step up to head_dim 128, else 2).
+struct PrefillTile {
+  int32_t stage_steps = 1;  // 1 (what the nvcc build instantiates) or 2
+  bool operator==(const PrefillTile&) const = default;
 };
 
 struct KernelKey {
@@ -34,26 +45,36 @@ struct KernelKey {
   DType kv_dtype = DType::kBFloat16;
   int32_t head_dim_qk = 128;
   int32_t head_dim_vo = 128;
-  DecodeTile tile;
+  // Prefill only: RoPE fused into the kernel (PrefillTraits' kRope, its own instantiation so the common case does
+  // not carry its registers). The decode kernel reads RoPE from params at run time, so a decode key keeps false.
+  bool rope = false;
+  DecodeTile decode_tile;    // decode keys; a prefill key leaves it at its default
+  PrefillTile prefill_tile;  // prefill keys; a decode key leaves it at its default
   std::string arch = "sm_90a";  // arch_for_device()
 
   bool operator==(const KernelKey&) const = default;
 
-  // "decode_d128_bf16_st2_sm90a" (a custom variant adds its name). Unique among valid keys.
+  // "decode_d128_bf16_st2_sm90a", "prefill_d128_bf16_rope_sm90a" (a prefill tile other than the default adds
+  // "_stage64", its K/V tokens per stage; a custom variant adds its name). Unique among valid keys.
   std::string name() const;
   // Throws kUnsupported naming the field, its value and what is accepted.
   void validate() const;
-  // The translation unit; entry point 0 is the decode kernel, 1 the merge kernel.
+  // The translation unit; entry point kAttentionEntry is the decode or prefill kernel, kMergeEntry the merge kernel.
   KernelSource render() const;
-  // The `attnforge warmup` command that compiles this key.
+  // K/V tokens per cp.async stage of a prefill key: PrefillTraits' kStageTokens (stage_steps softmax steps).
+  int32_t prefill_stage_tokens() const;
+  // The `attnforge warmup` command that compiles this key (its default set holds every key run() uses).
   std::string warmup_command() const;
 };
 
-// Entry points of a decode-family module.
-constexpr int kDecodeEntry = 0;
+// Entry points of a module of either family.
+constexpr int kAttentionEntry = 0;
 constexpr int kMergeEntry = 1;
 
 // The decode key for an attention shape on `arch`; throws kUnsupported when no decode kernel serves it.
 KernelKey decode_key(const AttentionShape& shape, const std::string& arch, DecodeTile tile = {});
+// The prefill key for an attention shape on `arch`, with or without RoPE fused; throws kUnsupported when no prefill
+// kernel serves it.
+KernelKey prefill_key(const AttentionShape& shape, const std::string& arch, bool rope, PrefillTile tile = {});
 
 }  // namespace attnforge::jit

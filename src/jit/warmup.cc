@@ -22,7 +22,7 @@ bool WarmupReport::ok() const {
 }
 
 std::vector<AttentionConfig> default_warmup_configs() {
-  // Heads per model only fix the query-head group, a run-time value of the decode kernel; they are listed so the
+  // Heads per model only fix the query-head group, a run-time value of both kernels; they are listed so the
   // configurations read as the models they come from.
   struct Model {
     int32_t qo_heads, kv_heads, head_dim;
@@ -37,15 +37,19 @@ std::vector<AttentionConfig> default_warmup_configs() {
   };
   std::vector<AttentionConfig> out;
   for (const Model& m : kModels)
-    for (DType t : {DType::kBFloat16, DType::kFloat16})
-      for (int32_t page : {1, 16}) {
-        AttentionConfig c;
-        c.device = Device::cuda(0);
-        c.kind = PlanKind::kDecode;
-        c.shape = {m.qo_heads, m.kv_heads, m.head_dim, m.head_dim, t, t, t};
-        c.page_size = page;
-        out.push_back(c);
-      }
+    for (PlanKind kind : {PlanKind::kDecode, PlanKind::kPrefill})
+      // RoPE fused or not is a key of the prefill kernel (a template switch) and a run-time value of decode's.
+      for (bool rope : kind == PlanKind::kPrefill ? std::vector<bool>{false, true} : std::vector<bool>{false})
+        for (DType t : {DType::kBFloat16, DType::kFloat16})
+          for (int32_t page : {1, 16}) {
+            AttentionConfig c;
+            c.device = Device::cuda(0);
+            c.kind = kind;
+            c.shape = {m.qo_heads, m.kv_heads, m.head_dim, m.head_dim, t, t, t};
+            c.page_size = page;
+            c.rope = rope;
+            out.push_back(c);
+          }
   return out;
 }
 
@@ -77,17 +81,15 @@ WarmupReport warmup_with(KernelCache& cache, const CacheSettings& settings, cons
   WarmupReport report;
   std::vector<KernelKey> keys;
   for (const AttentionConfig& c : configs) {
-    const std::string what = fmt::format("{} {} heads {}/{} head_dim {} q {} kv {} page {}",
-                                         c.kind == PlanKind::kDecode ? "decode" : "prefill", to_string(c.device),
-                                         c.shape.num_qo_heads, c.shape.num_kv_heads, c.shape.head_dim_qk,
-                                         to_string(c.shape.q_dtype), to_string(c.shape.kv_dtype), c.page_size);
-    if (c.kind != PlanKind::kDecode) {
-      report.skipped.push_back(what + ": no CUDA prefill kernel yet (issue 4)");
-      continue;
-    }
+    const std::string what = fmt::format("{}{} {} heads {}/{} head_dim {} q {} kv {} page {}",
+                                         c.kind == PlanKind::kDecode ? "decode" : "prefill", c.rope ? " rope" : "",
+                                         to_string(c.device), c.shape.num_qo_heads, c.shape.num_kv_heads,
+                                         c.shape.head_dim_qk, to_string(c.shape.q_dtype), to_string(c.shape.kv_dtype),
+                                         c.page_size);
     for (const std::string& arch : archs) {
       try {
-        const KernelKey k = decode_key(c.shape, arch);
+        const KernelKey k =
+            c.kind == PlanKind::kDecode ? decode_key(c.shape, arch) : prefill_key(c.shape, arch, c.rope);
         if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
       } catch (const Error& e) {
         report.skipped.push_back(what + ": " + e.what());
@@ -95,6 +97,11 @@ WarmupReport warmup_with(KernelCache& cache, const CacheSettings& settings, cons
       }
     }
   }
+
+  // Prefill compiles take several times as long as decode ones: they start first, and the short ones fill the
+  // tail, so the wall time stays near the sum over threads.
+  std::stable_partition(keys.begin(), keys.end(),
+                        [](const KernelKey& k) { return k.family == KernelFamily::kPrefill; });
 
   const int32_t hw = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
   report.threads = std::min<int32_t>(options.threads > 0 ? options.threads : hw, std::max<int32_t>(1, keys.size()));

@@ -323,44 +323,14 @@ void capture_replan_replay(PlanKind kind) {
 TEST(CudaGraph, CaptureReplanReplayDecode) { capture_replan_replay(PlanKind::kDecode); }
 TEST(CudaGraph, CaptureReplanReplayPrefill) { capture_replan_replay(PlanKind::kPrefill); }
 
-// The NVRTC-compiled kernels against the nvcc-compiled ones: the same source through the same code generator, so
-// the same bits, on cases that cover every decode kernel (head_dim 64/128/256, fp16/bf16), split KV with the
-// merge kernel, page size 1, grouped heads with several query tokens, and the per-element options. Both builds
-// also match the float64 reference. Kernels compile into a temporary cache.
-TEST(CudaJit, NvrtcKernelsGiveTheBitsOfNvccKernels) {
+// Runs every case with the nvcc-compiled and with the NVRTC-compiled kernels (plan and run each time): both match
+// the float64 reference, and their outputs and LSE are the same bits. Kernels compile into a temporary cache; the
+// selected build is restored at the end (the later tests run with it).
+void expect_nvrtc_bits_of_nvcc(const std::vector<CaseSpec>& specs) {
   char tmpl[] = "/tmp/attnforge-cuda-jit-XXXXXX";
   ASSERT_NE(nullptr, mkdtemp(tmpl));
   jit::set_cache_dir(tmpl);
-  const jit::CudaKernels selected = jit::cuda_kernels();  // restored at the end: the later tests run with it
-  std::vector<CaseSpec> specs;
-  uint64_t seed = 300;
-  for (int32_t d : {64, 128, 256})
-    for (DType t : {DType::kFloat16, DType::kBFloat16}) {
-      CaseSpec s;
-      s.kind = PlanKind::kDecode;
-      s.num_qo_heads = 16, s.num_kv_heads = 4, s.head_dim_qk = d;
-      s.q_dtype = s.kv_dtype = s.o_dtype = t;
-      s.qo_lens = {1, 1, 1, 1};
-      s.kv_lens = {9000, 17, 2048, 300};  // the long request is split: the merge kernel runs
-      // Splits at fixed positions: the plan cannot differ between the builds even if their occupancy did.
-      s.plan.deterministic = true;
-      s.plan.fixed_split_size = 1024;
-      s.seed = seed++;
-      specs.push_back(s);
-    }
-  CaseSpec opts = specs[3];  // head_dim 128 bf16
-  opts.page_size = 1;
-  opts.qo_lens = {4, 2, 1, 3};
-  opts.options.causal = true;
-  opts.options.sinks = true;
-  opts.options.soft_cap = 30.f;
-  opts.options.window_left = 500;
-  opts.options.custom_mask = true;
-  opts.options.alibi = true;
-  opts.o_dtype = DType::kFloat32;
-  opts.seed = seed++;
-  specs.push_back(opts);
-
+  const jit::CudaKernels selected = jit::cuda_kernels();
   for (const CaseSpec& s : specs) {
     Case c = make_case(s);
     DeviceCase dev(c);
@@ -384,6 +354,74 @@ TEST(CudaJit, NvrtcKernelsGiveTheBitsOfNvccKernels) {
   jit::set_cuda_kernels(selected);
   jit::set_cache_dir("");
   std::filesystem::remove_all(tmpl);
+}
+
+// A case of the NVRTC-vs-nvcc comparison: 16 query heads over 4 KV heads, splits at fixed positions (the plan
+// cannot differ between the builds even if their occupancy did; long requests are split, so the merge kernel runs).
+CaseSpec jit_case(PlanKind kind, int32_t head_dim, DType t, std::vector<int32_t> qo, std::vector<int32_t> kv,
+                  uint64_t seed) {
+  CaseSpec s;
+  s.kind = kind;
+  s.num_qo_heads = 16, s.num_kv_heads = 4, s.head_dim_qk = head_dim;
+  s.q_dtype = s.kv_dtype = s.o_dtype = t;
+  s.qo_lens = std::move(qo);
+  s.kv_lens = std::move(kv);
+  s.plan.deterministic = true;
+  s.plan.fixed_split_size = 1024;
+  s.seed = seed;
+  return s;
+}
+
+// `s` with page size 1, fp32 output and every per-element option on.
+CaseSpec with_every_option(CaseSpec s, uint64_t seed) {
+  s.page_size = 1;
+  s.options.causal = true;
+  s.options.sinks = true;
+  s.options.soft_cap = 30.f;
+  s.options.window_left = 500;
+  s.options.custom_mask = true;
+  s.options.alibi = true;
+  s.o_dtype = DType::kFloat32;
+  s.seed = seed;
+  return s;
+}
+
+// The NVRTC-compiled kernels against the nvcc-compiled ones: the same source through the same code generator, so
+// the same bits, on cases that cover every decode kernel (head_dim 64/128/256, fp16/bf16), split KV with the
+// merge kernel, page size 1, grouped heads with several query tokens, and the per-element options.
+TEST(CudaJit, NvrtcKernelsGiveTheBitsOfNvccKernels) {
+  std::vector<CaseSpec> specs;
+  uint64_t seed = 300;
+  for (int32_t d : {64, 128, 256})
+    for (DType t : {DType::kFloat16, DType::kBFloat16})
+      specs.push_back(jit_case(PlanKind::kDecode, d, t, {1, 1, 1, 1}, {9000, 17, 2048, 300}, seed++));
+  CaseSpec opts = with_every_option(specs[3], seed++);  // head_dim 128 bf16
+  opts.qo_lens = {4, 2, 1, 3};
+  specs.push_back(opts);
+  expect_nvrtc_bits_of_nvcc(specs);
+}
+
+// The same for the prefill kernels: every head dim and dtype, with and without RoPE fused (its own kernel), causal
+// prefill and append onto prefixes with split KV (the merge kernel runs), page size 1, ragged KV, and the
+// per-element options.
+TEST(CudaJit, NvrtcPrefillKernelsGiveTheBitsOfNvccKernels) {
+  std::vector<CaseSpec> specs;
+  uint64_t seed = 400;
+  for (int32_t d : {64, 128, 256})
+    for (DType t : {DType::kFloat16, DType::kBFloat16})
+      for (bool rope : {false, true}) {
+        CaseSpec s = jit_case(PlanKind::kPrefill, d, t, {300, 17, 64, 1}, {2500, 17, 700, 90}, seed++);
+        s.options.causal = true;
+        s.options.rope = rope;
+        specs.push_back(s);
+      }
+  specs.push_back(with_every_option(specs[6], seed++));  // head_dim 128 bf16, no RoPE
+  CaseSpec ragged = specs[7];                            // head_dim 128 bf16, RoPE
+  ragged.format = KVFormat::kRagged;
+  ragged.qo_lens = ragged.kv_lens = {1100, 33, 257};
+  ragged.seed = seed++;
+  specs.push_back(ragged);
+  expect_nvrtc_bits_of_nvcc(specs);
 }
 
 }  // namespace

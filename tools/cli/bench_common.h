@@ -31,11 +31,12 @@ std::vector<int64_t> sampled_rows(int64_t total);
 // The GPU benchmark (bench_cuda.cc, built with CUDA).
 int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device);
 
-// The GPU suite's decode cases timed with the nvcc-compiled and the NVRTC-compiled kernels on the same buffers
-// and plan (bench_cuda.cc); each is checked against the float64 reference with both first.
+// The GPU suite's decode and prefill cases timed with the nvcc-compiled and the NVRTC-compiled kernels on the same
+// buffers and plan (bench_cuda.cc); each is checked against the float64 reference with both first.
 struct CompilerComparison {
   std::string name;
-  double nvcc_us, nvrtc_us, bytes;
+  bool prefill;  // rated in TFLOP/s, decode in TB/s
+  double nvcc_us, nvrtc_us, bytes, flops;
 };
 std::vector<CompilerComparison> compare_kernel_builds(const DeviceInfo& device, bool quick, int32_t iters);
 

@@ -309,12 +309,14 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
 std::vector<CompilerComparison> compare_kernel_builds(const DeviceInfo& device, bool quick, int32_t iters) {
   const int id = device.device.id;
   check(cudaSetDevice(id), "cudaSetDevice");
-  const std::vector<GpuBenchCase> suite = gpu_suite(quick);
+  // The decode and the prefill suite of `attnforge bench` (quick or whole), so both kernel families are compared.
+  std::vector<GpuBenchCase> suite = gpu_suite(quick);
+  for (GpuBenchCase& c : gpu_prefill_suite(quick)) suite.push_back(std::move(c));
   std::vector<CompilerComparison> out;
   for (size_t i = 0; i < suite.size(); ++i) {
     const GpuResult r = bench_gpu_case(suite[i], id, iters, fmt::format("[nvcc vs NVRTC {}/{}]", i + 1, suite.size()),
                                        /*compare_nvrtc=*/true);
-    out.push_back({r.name, r.median_us, r.nvrtc_us, r.bytes});
+    out.push_back({r.name, r.spec.kind == PlanKind::kPrefill, r.median_us, r.nvrtc_us, r.bytes, r.flops});
   }
   return out;
 }

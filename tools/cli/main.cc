@@ -33,7 +33,8 @@ int main(int argc, char** argv) {
 
   WarmupCommandOptions warm;
   CLI::App* warmup = app.add_subcommand(
-      "warmup", "Compile the run-time (NVRTC) kernels of common decode shapes into the kernel cache, in parallel");
+      "warmup",
+      "Compile the run-time (NVRTC) kernels of common decode and prefill shapes into the kernel cache, in parallel");
   warmup->add_option("--arch", warm.archs, "Architectures, e.g. sm_90a sm_80 (default: the visible GPUs')");
   warmup->add_option("--head-dim", warm.head_dims, "Head dims to warm (default: 64 128 256)");
   warmup->add_option("--dtype", warm.dtypes, "Q/K/V dtypes to warm (default: fp16 bf16)")

@@ -1,5 +1,5 @@
-// `attnforge warmup`: compiles the run-time (NVRTC) kernels of a set of decode configurations into the kernel
-// cache, in parallel, so that no request waits for a compile. `--bench` measures the compiler and the cache
+// `attnforge warmup`: compiles the run-time (NVRTC) kernels of a set of decode and prefill configurations into the
+// kernel cache, in parallel, so that no request waits for a compile. `--bench` measures the compiler and the cache
 // instead (warmup_bench.cc).
 #include <fmt/format.h>
 
@@ -29,17 +29,18 @@ std::vector<AttentionConfig> warmup_configs(const WarmupCommandOptions& o) {
     if (wanted(o.head_dims, c.shape.head_dim_qk) && wanted(o.dtypes, dtype) && wanted(o.page_sizes, c.page_size))
       out.push_back(c);
   }
-  // Head dims outside the default set (a model of its own): one configuration per dtype and page size.
+  // Head dims outside the default set (a model of its own): the default set's kinds, RoPE switches, dtypes and page
+  // sizes with this head dim.
   for (int32_t d : o.head_dims)
     if (std::none_of(out.begin(), out.end(), [&](const AttentionConfig& c) { return c.shape.head_dim_qk == d; }))
-      for (DType t : {DType::kBFloat16, DType::kFloat16})
-        for (int32_t page : o.page_sizes.empty() ? std::vector<int32_t>{1, 16} : o.page_sizes) {
-          AttentionConfig c;
-          c.device = Device::cuda(0);
-          c.shape = {32, 8, d, d, t, t, t};
-          c.page_size = page;
-          if (wanted(o.dtypes, std::string(t == DType::kFloat16 ? "fp16" : "bf16"))) out.push_back(c);
-        }
+      for (AttentionConfig c : jit::default_warmup_configs()) {
+        const std::string dtype = c.shape.q_dtype == DType::kFloat16 ? "fp16" : "bf16";
+        if (c.shape.num_qo_heads != 32 || c.shape.num_kv_heads != 8 || c.shape.head_dim_qk != 128 ||
+            !wanted(o.dtypes, dtype) || !wanted(o.page_sizes, c.page_size))
+          continue;  // one model's configurations
+        c.shape.head_dim_qk = c.shape.head_dim_vo = d;
+        out.push_back(c);
+      }
   return out;
 }
 
@@ -61,8 +62,9 @@ int run_warmup(const WarmupCommandOptions& o) {
   const jit::WarmupReport r = jit::warmup(configs, options);
   fmt::print("attnforge warmup: {} configurations -> {} kernels, {:.2f} s on {} threads; cache {}\n", configs.size(),
              r.kernels.size(), r.seconds, r.threads, jit::cache_dir().empty() ? "(none: memory only)" : jit::cache_dir());
-  fmt::print("(page size and head counts are run-time values of the decode kernel, so configurations that differ "
-             "only in them share a kernel; fp8 K/V is not built for CUDA yet and is not warmed)\n");
+  fmt::print("(page size and head counts are run-time values of the kernels, so configurations that differ only in "
+             "them share a kernel; prefill has a kernel with RoPE fused and one without; fp8 K/V is not built for "
+             "CUDA yet and is not warmed)\n");
   fmt::print("{:<34} {:>9} {:>10}  {}\n", "kernel", "from", "ms", "cache key");
   for (const jit::WarmupReport::Kernel& k : r.kernels)
     fmt::print("{:<34} {:>9} {:>10.2f}  {}\n", k.name, k.error.empty() ? k.origin : "FAILED", k.seconds * 1e3,

@@ -1,4 +1,6 @@
-// The CUDA backend: batch decode on paged and ragged KV (sm_80 and newer). One instance per device.
+// The CUDA backend: batch decode and batch prefill/append on paged and ragged KV (sm_80 and newer), with the
+// nvcc-compiled kernels or, with ATTNFORGE_KERNELS=nvrtc, the same kernels compiled at run time. One instance per
+// device.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -10,7 +12,7 @@
 #include "backends/backend.h"
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/decode/decode.h"
-#include "backends/cuda/jit_decode.h"
+#include "backends/cuda/jit_kernels.h"
 #include "backends/cuda/prefill/prefill.h"
 #include "core/check.h"
 #include "core/shape.h"
@@ -79,16 +81,15 @@ class CudaBackend final : public Backend {
     return {};
   }
 
-  // With the NVRTC-compiled decode kernels this compiles (or loads) the shape's kernel: plan() pays for it, run()
-  // and graph capture find it loaded. Prefill runs its nvcc-compiled kernels in either mode (the run-time
-  // compiler builds decode only so far).
+  // With the NVRTC-compiled kernels this compiles (or loads) the shape's kernels of this kind of plan: plan() pays
+  // for it, run() and graph capture find them loaded.
   int32_t num_workers(const AttentionShape& shape, PlanKind kind) const override {
     const AttentionShape s = normalized(shape);
-    if (kind == PlanKind::kPrefill) return sms_ * cuda::prefill_ctas_per_sm(s.head_dim_qk);
     if (jit::cuda_kernels() == jit::CudaKernels::kNvrtc) {
       DeviceGuard guard(device_);
-      return sms_ * jit_decode().ctas_per_sm(s);
+      return sms_ * jit_kernels().ctas_per_sm(s, kind);
     }
+    if (kind == PlanKind::kPrefill) return sms_ * cuda::prefill_ctas_per_sm(s.head_dim_qk);
     return sms_ * cuda::decode_ctas_per_sm(s.head_dim_qk);
   }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).
@@ -121,13 +122,12 @@ class CudaBackend final : public Backend {
     }
     DeviceGuard guard(device_);
     const auto cuda_stream = static_cast<cudaStream_t>(stream);
-    if (kind == PlanKind::kPrefill) {
+    if (jit::cuda_kernels() == jit::CudaKernels::kNvrtc)
+      jit_kernels().run(p, kind, cuda_stream);
+    else if (kind == PlanKind::kPrefill)
       cuda::run_prefill(p, cuda_stream);
-    } else if (jit::cuda_kernels() == jit::CudaKernels::kNvrtc) {
-      jit_decode().run(p, cuda_stream);
-    } else {
+    else
       cuda::run_decode(p, cuda_stream);
-    }
   }
 
   void merge_states(const MergeStatesParams&, Stream) override { unsupported("merge_state(s)"); }
@@ -141,15 +141,15 @@ class CudaBackend final : public Backend {
   }
 
   // Created on first use: NVRTC and the driver API are touched only when the NVRTC-compiled kernels are chosen.
-  cuda::JitDecode& jit_decode() const {
-    std::call_once(jit_once_, [&] { jit_ = std::make_unique<cuda::JitDecode>(device_, major_, minor_); });
+  cuda::JitKernels& jit_kernels() const {
+    std::call_once(jit_once_, [&] { jit_ = std::make_unique<cuda::JitKernels>(device_, major_, minor_); });
     return *jit_;
   }
 
   int device_;
   int sms_ = 0, major_ = 0, minor_ = 0;
   mutable std::once_flag jit_once_;
-  mutable std::unique_ptr<cuda::JitDecode> jit_;
+  mutable std::unique_ptr<cuda::JitKernels> jit_;
 };
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include "attnforge/kernel/params.h"
 #include "backends/cuda/cuda_check.h"
 
 namespace attnforge::cuda {
@@ -12,6 +13,28 @@ struct KernelDims {
   dim3 grid, block;
   unsigned smem_bytes;
 };
+
+// Attributes an attention kernel (decode or prefill) gets once before its first launch: its threads, its dynamic
+// shared memory limit, and a preference for shared memory over L1 so the CTAs the occupancy calculation counts on
+// fit. Computed from the kernel's traits (decode_attributes, prefill_attributes) for both builds of the kernels.
+struct KernelAttributes {
+  int threads;
+  int max_dynamic_smem;
+  int carveout_percent;
+};
+
+// The launches of one planned batch: the family's attention kernel over (work items, KV heads, blocks of rows),
+// then the split-KV merge. Grid sizes come from the plan's capacities (fixed for a batch size), never from its
+// counts, so a captured graph stays valid across re-plans; kernels loop over the counts they read from the
+// workspace. The nvcc-compiled launches (run_decode, run_prefill) and the NVRTC ones (jit_kernels.h) both use it.
+struct LaunchConfig {
+  KernelDims attention;
+  KernelDims merge;
+  bool run_merge;  // the plan has merge capacity
+};
+// `rows_per_cta`: packed query rows (tokens x heads of a group) one CTA of the kernel holds. Defined with the merge
+// grid it includes (merge/merge.cu).
+LaunchConfig attention_launch_config(const AttentionParams& p, int rows_per_cta, const KernelAttributes& attributes);
 
 // Raises the kernel's dynamic shared memory limit to smem_bytes and sets its shared-memory carveout (100: prefer
 // shared memory over L1, so the CTAs the occupancy calculation counts on fit); returns the CTAs of `threads`

@@ -14,10 +14,10 @@ namespace {
 
 // bf16 and fp16 instantiations use the same threads and shared memory.
 template <int D>
-DecodeAttributes attributes_of(int stages) {
+KernelAttributes attributes_of(int stages) {
   auto make = [](auto traits) {
     using Tr = decltype(traits);
-    return DecodeAttributes{Tr::kThreads, Tr::kSmemBytes, 100};
+    return KernelAttributes{Tr::kThreads, Tr::kSmemBytes, 100};
   };
   return stages == 3 ? make(DecodeTraits<D, Bf16, 3>{}) : make(DecodeTraits<D, Bf16, 2>{});
 }
@@ -26,7 +26,7 @@ DecodeAttributes attributes_of(int stages) {
 template <class Tr>
 int configure() {
   static const int ctas_per_sm = [] {
-    const DecodeAttributes a = decode_attributes(Tr::kHeadDim, Tr::kStages);
+    const KernelAttributes a = decode_attributes(Tr::kHeadDim, Tr::kStages);
     return configure_kernel(decode_kernel<Tr>, a.threads, a.max_dynamic_smem, a.carveout_percent);
   }();
   return ctas_per_sm;
@@ -42,7 +42,7 @@ void launch_decode(const AttentionParams& p, const KernelDims& dims, cudaStream_
 
 }  // namespace
 
-DecodeAttributes decode_attributes(int head_dim, int stages) {
+KernelAttributes decode_attributes(int head_dim, int stages) {
   switch (head_dim) {
     case 64: return attributes_of<64>(stages);
     case 128: return attributes_of<128>(stages);
@@ -50,17 +50,9 @@ DecodeAttributes decode_attributes(int head_dim, int stages) {
   }
 }
 
-DecodeLaunchConfig decode_launch_config(const AttentionParams& p, int stages) {
+LaunchConfig decode_launch_config(const AttentionParams& p, int stages) {
   constexpr int kRows = DecodeTraits<64, Bf16>::kRows;  // one mma M tile, the same for every instantiation
-  const DecodeAttributes a = decode_attributes(p.head_dim_qk, stages);
-  const int group = p.num_qo_heads / p.num_kv_heads;
-  const unsigned row_blocks = (p.qo_tile * group + kRows - 1) / kRows;
-  DecodeLaunchConfig c;
-  c.decode = {dim3(p.item_capacity > 0 ? p.item_capacity : 1, p.num_kv_heads, row_blocks), dim3(a.threads),
-              static_cast<unsigned>(a.max_dynamic_smem)};
-  c.merge = merge_dims(p);
-  c.run_merge = p.merge_capacity > 0;
-  return c;
+  return attention_launch_config(p, kRows, decode_attributes(p.head_dim_qk, stages));
 }
 
 int decode_ctas_per_sm(int head_dim) {
@@ -73,12 +65,13 @@ int decode_ctas_per_sm(int head_dim) {
 }
 
 void run_decode(const AttentionParams& p, cudaStream_t stream) {
-  const DecodeLaunchConfig c = decode_launch_config(p, kDefaultDecodeStages);
+  const LaunchConfig c = decode_launch_config(p, kDefaultDecodeStages);
   const bool bf16 = p.q_dtype == DType::kBFloat16;
+  const KernelDims& d = c.attention;
   switch (p.head_dim_qk) {
-    case 64: bf16 ? launch_decode<64, Bf16>(p, c.decode, stream) : launch_decode<64, F16>(p, c.decode, stream); break;
-    case 128: bf16 ? launch_decode<128, Bf16>(p, c.decode, stream) : launch_decode<128, F16>(p, c.decode, stream); break;
-    case 256: bf16 ? launch_decode<256, Bf16>(p, c.decode, stream) : launch_decode<256, F16>(p, c.decode, stream); break;
+    case 64: bf16 ? launch_decode<64, Bf16>(p, d, stream) : launch_decode<64, F16>(p, d, stream); break;
+    case 128: bf16 ? launch_decode<128, Bf16>(p, d, stream) : launch_decode<128, F16>(p, d, stream); break;
+    case 256: bf16 ? launch_decode<256, Bf16>(p, d, stream) : launch_decode<256, F16>(p, d, stream); break;
     default: break;  // rejected by CudaBackend::check before any launch
   }
   run_merge(p, stream);

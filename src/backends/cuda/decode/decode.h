@@ -1,6 +1,6 @@
 // Launch of the decode and merge kernels. The launch configuration (grid, block, shared memory, attributes) is
 // computed here once for both builds of the kernels: the nvcc-compiled instantiations (run_decode) and the NVRTC
-// compiled ones (backends/cuda/jit_decode.h).
+// compiled ones (backends/cuda/jit_kernels.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,23 +10,8 @@
 
 namespace attnforge::cuda {
 
-// Attributes a decode kernel gets once before its first launch: its dynamic shared memory limit, and a
-// preference for shared memory over L1 so the CTAs the occupancy calculation counts on fit.
-struct DecodeAttributes {
-  int threads;
-  int max_dynamic_smem;
-  int carveout_percent;
-};
-DecodeAttributes decode_attributes(int head_dim, int stages);
-
-// Grid sizes come from the plan's capacities (fixed for a batch size), never from its counts, so a captured
-// graph stays valid across re-plans; kernels loop over the counts they read from the workspace.
-struct DecodeLaunchConfig {
-  KernelDims decode;
-  KernelDims merge;
-  bool run_merge;  // the plan has merge capacity
-};
-DecodeLaunchConfig decode_launch_config(const AttentionParams& p, int stages);
+KernelAttributes decode_attributes(int head_dim, int stages);
+LaunchConfig decode_launch_config(const AttentionParams& p, int stages);
 
 // The nvcc-compiled kernels (the default tile configuration).
 int decode_ctas_per_sm(int head_dim);

@@ -9,6 +9,17 @@ KernelDims merge_dims(const AttentionParams& p) {
   return {dim3(p.merge_capacity > 0 ? p.merge_capacity : 1, p.num_qo_heads), dim3(kMergeThreads), 0};
 }
 
+LaunchConfig attention_launch_config(const AttentionParams& p, int rows_per_cta, const KernelAttributes& a) {
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const unsigned row_blocks = (p.qo_tile * group + rows_per_cta - 1) / rows_per_cta;
+  LaunchConfig c;
+  c.attention = {dim3(p.item_capacity > 0 ? p.item_capacity : 1, p.num_kv_heads, row_blocks), dim3(a.threads),
+                 static_cast<unsigned>(a.max_dynamic_smem)};
+  c.merge = merge_dims(p);
+  c.run_merge = p.merge_capacity > 0;
+  return c;
+}
+
 void run_merge(const AttentionParams& p, cudaStream_t stream) {
   if (p.merge_capacity <= 0) return;
   const KernelDims d = merge_dims(p);

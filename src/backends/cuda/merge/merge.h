@@ -9,7 +9,7 @@ namespace attnforge::cuda {
 
 // The merge of split-KV partial states: one CTA per (merge item, query head), grid-stride over the plan's
 // merges. The grid comes from the plan's merge capacity, so a captured graph survives re-plans. Shared by the
-// nvcc-compiled launch below and the NVRTC-compiled one (backends/cuda/jit_decode.h).
+// nvcc-compiled launch below and the NVRTC-compiled one (backends/cuda/jit_kernels.h).
 KernelDims merge_dims(const AttentionParams& p);
 
 // Launches the nvcc-compiled merge kernel; a no-op when the plan has no merge capacity.

@@ -1,4 +1,5 @@
-// Instantiations and launch of the prefill kernels; split-KV items are merged by the shared merge kernel.
+// Instantiations and launch of the nvcc-compiled prefill kernels, and the launch configuration both builds of the
+// kernels share. Split-KV items are merged by the shared merge kernel (backends/cuda/merge).
 #include <cuda_runtime.h>
 
 #include "backends/cuda/cuda_check.h"
@@ -11,35 +12,59 @@ namespace attnforge::cuda {
 
 namespace {
 
-// The CTAs one SM holds, after the one-time set-up of the instantiation.
+// bf16 and fp16 instantiations, with and without RoPE, use the same threads and shared memory.
+template <int D>
+KernelAttributes attributes_of(int stage_tokens) {
+  auto make = [](auto traits) {
+    using Tr = decltype(traits);
+    return KernelAttributes{Tr::kThreads, Tr::kSmemBytes, 100};
+  };
+  constexpr int kStep = prefill_tile_tokens(D);
+  return stage_tokens == 2 * kStep ? make(PrefillTraits<D, Bf16, false, 2 * kStep>{})
+                                   : make(PrefillTraits<D, Bf16, false, kStep>{});
+}
+
+// Sets the attributes once per instantiation; returns the CTAs one SM holds.
 template <class Tr>
 int configure() {
-  static const int ctas_per_sm = configure_kernel(prefill_kernel<Tr>, Tr::kThreads, Tr::kSmemBytes);
+  static const int ctas_per_sm = [] {
+    const KernelAttributes a = prefill_attributes(Tr::kHeadDim, Tr::kStageTokens);
+    return configure_kernel(prefill_kernel<Tr>, a.threads, a.max_dynamic_smem, a.carveout_percent);
+  }();
   return ctas_per_sm;
 }
 
 template <int D, typename Elem, bool kRope>
-void launch(const AttentionParams& p, cudaStream_t stream) {
+void launch(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
   using Tr = PrefillTraits<D, Elem, kRope>;
   configure<Tr>();
-  const int group = p.num_qo_heads / p.num_kv_heads;
-  const int row_blocks = (p.qo_tile * group + Tr::kRows - 1) / Tr::kRows;
-  const dim3 grid(p.item_capacity > 0 ? p.item_capacity : 1, p.num_kv_heads, row_blocks);
-  prefill_kernel<Tr><<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
+  prefill_kernel<Tr><<<dims.grid, dims.block, dims.smem_bytes, stream>>>(p);
   ATTNFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
 template <int D, bool kRope>
-void launch_dtype(const AttentionParams& p, cudaStream_t stream) {
-  p.q_dtype == DType::kBFloat16 ? launch<D, Bf16, kRope>(p, stream) : launch<D, F16, kRope>(p, stream);
+void launch_dtype(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
+  p.q_dtype == DType::kBFloat16 ? launch<D, Bf16, kRope>(p, dims, stream) : launch<D, F16, kRope>(p, dims, stream);
 }
 
 template <int D>
-void launch_variant(const AttentionParams& p, cudaStream_t stream) {
-  p.variant.rope.enabled ? launch_dtype<D, true>(p, stream) : launch_dtype<D, false>(p, stream);
+void launch_variant(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
+  p.variant.rope.enabled ? launch_dtype<D, true>(p, dims, stream) : launch_dtype<D, false>(p, dims, stream);
 }
 
 }  // namespace
+
+KernelAttributes prefill_attributes(int head_dim, int stage_tokens) {
+  switch (head_dim) {
+    case 64: return attributes_of<64>(stage_tokens);
+    case 128: return attributes_of<128>(stage_tokens);
+    default: return attributes_of<256>(stage_tokens);
+  }
+}
+
+LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens) {
+  return attention_launch_config(p, prefill_rows(p.head_dim_qk), prefill_attributes(p.head_dim_qk, stage_tokens));
+}
 
 int prefill_ctas_per_sm(int head_dim) {
   switch (head_dim) {  // bf16 and fp16 instantiations use the same registers and shared memory
@@ -51,10 +76,11 @@ int prefill_ctas_per_sm(int head_dim) {
 }
 
 void run_prefill(const AttentionParams& p, cudaStream_t stream) {
+  const LaunchConfig c = prefill_launch_config(p, prefill_tile_tokens(p.head_dim_qk));
   switch (p.head_dim_qk) {
-    case 64: launch_variant<64>(p, stream); break;
-    case 128: launch_variant<128>(p, stream); break;
-    case 256: launch_variant<256>(p, stream); break;
+    case 64: launch_variant<64>(p, c.attention, stream); break;
+    case 128: launch_variant<128>(p, c.attention, stream); break;
+    case 256: launch_variant<256>(p, c.attention, stream); break;
     default: break;  // rejected by CudaBackend::check before any launch
   }
   run_merge(p, stream);

@@ -1,14 +1,24 @@
+// Launch of the prefill and merge kernels. The launch configuration (grid, block, shared memory, attributes) is
+// computed here once for both builds of the kernels: the nvcc-compiled instantiations (run_prefill) and the NVRTC
+// compiled ones (backends/cuda/jit_kernels.h).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "attnforge/kernel/params.h"
+#include "backends/cuda/kernel_config.h"
 #include "backends/cuda/prefill/tile_config.cuh"
 
 namespace attnforge::cuda {
 
+// `stage_tokens`: K/V tokens per cp.async stage, a multiple of prefill_tile_tokens(head_dim) (PrefillTraits).
+// RoPE and the element type change neither the threads nor the shared memory.
+KernelAttributes prefill_attributes(int head_dim, int stage_tokens);
+LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens);
+
+// The nvcc-compiled kernels (the default tile configuration).
 int prefill_ctas_per_sm(int head_dim);
-// Grid sizes come from the plan's capacities, never its counts (see decode.h), so graphs survive re-plans.
+// Grid sizes come from the plan's capacities, never its counts (see kernel_config.h), so graphs survive re-plans.
 void run_prefill(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace attnforge::cuda

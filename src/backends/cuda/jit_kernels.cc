@@ -1,0 +1,107 @@
+#include "backends/cuda/jit_kernels.h"
+
+#include <future>
+#include <vector>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/decode/decode.h"
+#include "backends/cuda/driver_api.h"
+#include "backends/cuda/prefill/prefill.h"
+#include "jit/kernel_cache.h"
+
+namespace attnforge::cuda {
+
+namespace {
+
+KernelAttributes attributes(const jit::KernelKey& key) {
+  if (key.family == jit::KernelFamily::kPrefill) return prefill_attributes(key.head_dim_qk, key.prefill_stage_tokens());
+  return decode_attributes(key.head_dim_qk, key.decode_tile.stages);
+}
+
+}  // namespace
+
+LaunchConfig launch_config(const jit::KernelKey& key, const AttentionParams& p) {
+  if (key.family == jit::KernelFamily::kPrefill) return prefill_launch_config(p, key.prefill_stage_tokens());
+  return decode_launch_config(p, key.decode_tile.stages);
+}
+
+JitKernels::JitKernels(int device, int major, int minor)
+    : device_(device), arch_(jit::arch_for_device(major, minor)) {}
+
+jit::KernelKey JitKernels::key_for(PlanKind kind, const AttentionShape& shape, bool rope) const {
+  return kind == PlanKind::kPrefill ? jit::prefill_key(shape, arch_, rope) : jit::decode_key(shape, arch_);
+}
+
+const JitKernels::Kernels& JitKernels::kernels(const jit::KernelKey& key) {
+  const std::string name = key.name();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (auto it = loaded_.find(name); it != loaded_.end()) return it->second;
+  }
+  // Outside the lock: a compile takes seconds and other keys need not wait for it (the cache compiles each key
+  // once however many threads ask).
+  const jit::Lookup l = jit::process_cache().get(key.render(), jit::current_settings());
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (auto it = loaded_.find(name); it != loaded_.end()) return it->second;
+  // The module goes into the device's primary context, the one the runtime API launches the nvcc kernels in
+  // (cudaSetDevice creates it if nothing has yet). The caller restores its current device.
+  ATTNFORGE_CUDA_CHECK(cudaSetDevice(device_));
+  const DriverApi& d = driver();
+  CUmodule module;
+  ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, l.module->binary.data()));
+  Kernels k;
+  k.key = key;
+  const std::vector<std::string>& names = l.module->lowered_names;
+  ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&k.attention, module, names[jit::kAttentionEntry].c_str()));
+  ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&k.merge, module, names[jit::kMergeEntry].c_str()));
+  // The attributes configure_kernel() gives the nvcc instantiations.
+  const KernelAttributes a = attributes(key);
+  ATTNFORGE_CU_CHECK(
+      d.cuFuncSetAttribute(k.attention, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, a.max_dynamic_smem));
+  ATTNFORGE_CU_CHECK(
+      d.cuFuncSetAttribute(k.attention, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, a.carveout_percent));
+  ATTNFORGE_CU_CHECK(
+      d.cuOccupancyMaxActiveBlocksPerMultiprocessor(&k.ctas_per_sm, k.attention, a.threads, a.max_dynamic_smem));
+  return loaded_.emplace(name, k).first->second;  // modules stay loaded for the life of the process
+}
+
+const JitKernels::Kernels& JitKernels::kernels_for(PlanKind kind, const AttentionShape& shape, bool rope) {
+  const int dim_index = shape.head_dim_qk == 64 ? 0 : shape.head_dim_qk == 128 ? 1 : shape.head_dim_qk == 256 ? 2 : -1;
+  const bool indexed = dim_index >= 0 && shape.kv_dtype == shape.q_dtype &&
+                       (shape.q_dtype == DType::kFloat16 || shape.q_dtype == DType::kBFloat16);
+  if (!indexed) return kernels(key_for(kind, shape, rope));  // throws kUnsupported naming what no kernel serves
+  const int family = kind == PlanKind::kPrefill ? 1 + rope : 0;  // decode reads RoPE from params
+  std::atomic<const Kernels*>& slot = by_shape_[family * 6 + dim_index * 2 + (shape.q_dtype == DType::kBFloat16)];
+  if (const Kernels* k = slot.load(std::memory_order_acquire)) return *k;
+  const Kernels& k = kernels(key_for(kind, shape, rope));
+  slot.store(&k, std::memory_order_release);
+  return k;
+}
+
+int JitKernels::ctas_per_sm(const AttentionShape& shape, PlanKind kind) {
+  if (kind != PlanKind::kPrefill) return kernels_for(kind, shape, false).ctas_per_sm;
+  // The RoPE kernel compiles on another thread meanwhile (the kernel cache lets lookups of different keys run
+  // at once); its failure is reported like the plain kernel's.
+  std::future<void> rope = std::async(std::launch::async, [&] { kernels_for(kind, shape, true); });
+  const int n = kernels_for(kind, shape, false).ctas_per_sm;
+  rope.get();
+  return n;
+}
+
+void JitKernels::run(const AttentionParams& p, PlanKind kind, cudaStream_t stream) {
+  const AttentionShape shape{p.num_qo_heads, p.num_kv_heads, p.head_dim_qk, p.head_dim_vo,
+                             p.q_dtype,      p.kv.dtype,     p.o_dtype};
+  const Kernels& k = kernels_for(kind, shape, kind == PlanKind::kPrefill && p.variant.rope.enabled);
+  const LaunchConfig c = launch_config(k.key, p);
+  AttentionParams params = p;
+  void* args[] = {&params};
+  const DriverApi& d = driver();
+  auto launch = [&](CUfunction f, const KernelDims& dims) {
+    ATTNFORGE_CU_CHECK(d.cuLaunchKernel(f, dims.grid.x, dims.grid.y, dims.grid.z, dims.block.x, dims.block.y,
+                                        dims.block.z, dims.smem_bytes, static_cast<CUstream>(stream), args, nullptr));
+  };
+  launch(k.attention, c.attention);
+  if (c.run_merge) launch(k.merge, c.merge);
+}
+
+}  // namespace attnforge::cuda

@@ -1,0 +1,59 @@
+// The NVRTC-compiled kernels of one device, both families (decode, prefill) and the merge kernel each module
+// carries: keys from params, modules from the kernel cache, loaded through the driver API once per key, given the
+// attributes and launched with the launch configuration the nvcc build uses (decode.h, prefill.h).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "attnforge/config.h"
+#include "attnforge/kernel/params.h"
+#include "backends/cuda/kernel_config.h"
+#include "jit/kernel_key.h"
+
+namespace attnforge::cuda {
+
+class JitKernels {
+ public:
+  JitKernels(int device, int major, int minor);
+
+  struct Kernels {
+    CUfunction attention = nullptr;  // the decode or prefill kernel
+    CUfunction merge = nullptr;
+    int ctas_per_sm = 0;
+    jit::KernelKey key;
+  };
+  // Compiles or loads the module of `key` and loads it on the device (once; later calls return the functions).
+  const Kernels& kernels(const jit::KernelKey& key);
+  // The key run() uses: the family of the plan, the default tiles (what the nvcc build instantiates).
+  jit::KernelKey key_for(PlanKind kind, const AttentionShape& shape, bool rope = false) const;
+  const std::string& arch() const { return arch_; }
+
+  // For plan(): loads the kernels run() may launch for the shape and returns the CTAs of one per SM. A prefill plan
+  // does not know whether run() fuses RoPE (an option of run()), so both prefill kernels are loaded, and neither
+  // run() nor a graph capture ever compiles; the count is the plain kernel's, as in the nvcc build.
+  int ctas_per_sm(const AttentionShape& shape, PlanKind kind);
+  void run(const AttentionParams& p, PlanKind kind, cudaStream_t stream);
+
+ private:
+  // run() finds the kernels of the shapes run() accepts (decode, prefill, prefill with RoPE x 3 head dims x 2
+  // dtypes) without a lock or a string.
+  const Kernels& kernels_for(PlanKind kind, const AttentionShape& shape, bool rope);
+
+  int device_;
+  std::string arch_;
+  std::mutex mutex_;
+  std::map<std::string, Kernels> loaded_;  // by kernel name (unique per key)
+  std::array<std::atomic<const Kernels*>, 18> by_shape_{};
+};
+
+// The launch configuration of a key's attention kernel for a batch (decode_launch_config, prefill_launch_config).
+LaunchConfig launch_config(const jit::KernelKey& key, const AttentionParams& p);
+
+}  // namespace attnforge::cuda
