@@ -63,8 +63,7 @@ void JitDecode::run(const AttentionParams& p, cudaStream_t stream) {
     ATTNFORGE_CU_CHECK(d.cuLaunchKernel(f, dims.grid.x, dims.grid.y, dims.grid.z, dims.block.x, dims.block.y,
                                         dims.block.z, dims.smem_bytes, static_cast<CUstream>(stream), args, nullptr));
   };
-  launch(k.decode, c.decode);
-  if (c.run_merge) launch(k.merge, c.merge);
+  launch(k.decode, c.decode);  // split KV is merged inside the decode kernel
 }
 
 }  // namespace attnforge::cuda

@@ -1,12 +1,11 @@
 // Instantiations and launch of the nvcc-compiled decode kernels, and the launch configuration both builds of the
-// kernels share. Split-KV items are merged by the shared merge kernel (backends/cuda/merge).
+// kernels share. Split-KV items are merged inside the decode kernel, by the CTA that finishes a merge's last piece.
 #include <cuda_runtime.h>
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/decode/decode.h"
 #include "backends/cuda/decode/decode_kernel.cuh"
 #include "backends/cuda/kernel_config.h"
-#include "backends/cuda/merge/merge.h"
 
 namespace attnforge::cuda {
 
@@ -58,8 +57,6 @@ DecodeLaunchConfig decode_launch_config(const AttentionParams& p, int stages) {
   DecodeLaunchConfig c;
   c.decode = {dim3(p.item_capacity > 0 ? p.item_capacity : 1, p.num_kv_heads, row_blocks), dim3(a.threads),
               static_cast<unsigned>(a.max_dynamic_smem)};
-  c.merge = merge_dims(p);
-  c.run_merge = p.merge_capacity > 0;
   return c;
 }
 
@@ -81,7 +78,6 @@ void run_decode(const AttentionParams& p, cudaStream_t stream) {
     case 256: bf16 ? launch_decode<256, Bf16>(p, c.decode, stream) : launch_decode<256, F16>(p, c.decode, stream); break;
     default: break;  // rejected by CudaBackend::check before any launch
   }
-  run_merge(p, stream);
 }
 
 }  // namespace attnforge::cuda

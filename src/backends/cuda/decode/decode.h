@@ -1,4 +1,4 @@
-// Launch of the decode and merge kernels. The launch configuration (grid, block, shared memory, attributes) is
+// Launch of the decode kernel (which merges its own split KV). The launch configuration (grid, block, shared memory, attributes) is
 // computed here once for both builds of the kernels: the nvcc-compiled instantiations (run_decode) and the NVRTC
 // compiled ones (backends/cuda/jit_decode.h).
 #pragma once
@@ -23,8 +23,6 @@ DecodeAttributes decode_attributes(int head_dim, int stages);
 // graph stays valid across re-plans; kernels loop over the counts they read from the workspace.
 struct DecodeLaunchConfig {
   KernelDims decode;
-  KernelDims merge;
-  bool run_merge;  // the plan has merge capacity
 };
 DecodeLaunchConfig decode_launch_config(const AttentionParams& p, int stages);
 
