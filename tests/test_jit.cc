@@ -596,10 +596,7 @@ TEST(JitLaunch, OneConfigurationFromTheTraits) {
   EXPECT_EQ(c.attention.grid.x, 700u);
   EXPECT_EQ(c.attention.grid.z, 1u);
   EXPECT_EQ(c.attention.smem_bytes, static_cast<unsigned>(smem(128, 3)));
-  EXPECT_TRUE(c.run_merge);
-  EXPECT_EQ(c.merge.grid.x, 30u);
-  EXPECT_EQ(c.merge.grid.y, 32u);
-  EXPECT_EQ(c.merge.smem_bytes, 0u);
+  EXPECT_FALSE(c.run_merge) << "split KV merges inside the decode kernel: no merge launch";
 }
 
 // The prefill kernel: 4 warps; Q rows, then the K and V stages (3 stages of one softmax step up to head_dim 128, 2
@@ -620,8 +617,8 @@ TEST(JitLaunch, PrefillConfigurationFromTheTraits) {
       EXPECT_EQ(cuda::prefill_rows(e.d), e.rows);
       EXPECT_EQ(cuda::prefill_tile_tokens(e.d), e.step);
     }
-  // The grid's x and y and the merge come from attention_launch_config (checked through decode above); prefill
-  // brings its rows per CTA and its shared memory.
+  // The grid's x and y come from attention_launch_config (checked through decode above); prefill brings its rows
+  // per CTA and its shared memory, and launches the merge kernel over the plan's merge capacity.
   AttentionParams p{};
   p.num_qo_heads = 32, p.num_kv_heads = 8;  // groups of 4 query heads
   p.item_capacity = 300, p.merge_capacity = 12;
@@ -640,7 +637,11 @@ TEST(JitLaunch, PrefillConfigurationFromTheTraits) {
               static_cast<unsigned>(cuda::prefill_attributes(b.d, cuda::prefill_tile_tokens(b.d)).max_dynamic_smem));
     EXPECT_TRUE(c.run_merge);
     EXPECT_EQ(c.merge.grid.x, 12u);
+    EXPECT_EQ(c.merge.grid.y, 32u);
+    EXPECT_EQ(c.merge.smem_bytes, 0u);
   }
+  p.merge_capacity = 0;
+  EXPECT_FALSE(cuda::prefill_launch_config(p, 32).run_merge);
 }
 
 // ---- warm-up ----

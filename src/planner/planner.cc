@@ -185,14 +185,15 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     }
     const int32_t pieces = piece > 0 ? (t.kv_end + piece - 1) / piece : 1;
     if (pieces <= 1) {
-      plan.items.push_back({t.request, t.qo_begin, t.qo_end, 0, t.kv_end, -1});
+      plan.items.push_back({t.request, t.qo_begin, t.qo_end, 0, t.kv_end, -1, -1});
       continue;
     }
     plan.kv_chunk = std::max(plan.kv_chunk, piece);  // the longest piece, which rounding down can stretch
+    const int32_t merge = static_cast<int32_t>(plan.merges.size());
     plan.merges.push_back({t.request, t.qo_begin, t.qo_end, static_cast<int32_t>(plan.items.size()), pieces});
     for (int32_t p = 0; p < pieces; ++p) {
       const int32_t k0 = p * piece, k1 = std::min(t.kv_end, k0 + piece);
-      plan.items.push_back({t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows)});
+      plan.items.push_back({t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows), merge});
       plan.partial_rows += t.qo_end - t.qo_begin;
     }
   }
@@ -208,7 +209,8 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     plan.item_capacity = static_cast<int32_t>(bound);
     plan.merge_capacity = static_cast<int32_t>(tiles.size());
     plan.partial_row_capacity = std::max<int64_t>(plan.partial_rows, static_cast<int64_t>(bound) * plan.qo_tile);
-    plan.metadata_bytes = detail::plan_metadata_bytes(plan.batch_size, plan.item_capacity, plan.merge_capacity);
+    plan.metadata_bytes = detail::plan_metadata_bytes(plan.batch_size, plan.item_capacity, plan.merge_capacity,
+                                                      detail::merge_counter_count(plan.merge_capacity, shape, plan.qo_tile));
   } else {
     plan.item_capacity = num_items;
     plan.merge_capacity = static_cast<int32_t>(plan.merges.size());

@@ -106,6 +106,19 @@ TEST(CudaLarge, ServingShapes) {
   hnd.layout = KVLayout::kHND;
   hnd.format = KVFormat::kBlockTable;
   specs.push_back(hnd);
+  // Split KV merged in the kernel: MQA (one KV head: hundreds of pieces per merge, 32 rows in two CTAs),
+  // GQA group 7 with 3 query tokens (21 rows), head dims 64 and 256 (other merge chunkings).
+  CaseSpec mqa = base(1, 20011, 16);
+  mqa.num_kv_heads = 1;
+  specs.push_back(mqa);
+  CaseSpec g7 = base(2, 9000, 16);
+  g7.num_qo_heads = 28, g7.num_kv_heads = 4;
+  g7.qo_lens.assign(2, 3);
+  specs.push_back(g7);
+  CaseSpec d64 = base(2, 12000, 16), d256 = base(2, 12000, 16);
+  d64.head_dim_qk = 64, d256.head_dim_qk = 256;
+  specs.push_back(d64);
+  specs.push_back(d256);
   uint64_t seed = 77;
   for (CaseSpec& s : specs) {
     s.seed = seed++;
@@ -202,6 +215,48 @@ TEST(CudaFuzz, RandomBatches) {
     }
   }
   EXPECT_GT(ran, static_cast<int>(iters / 2));
+}
+
+// The decode kernel merges split KV with arrival counters kept in the workspace; the merging CTA resets them.
+// Runs of one uploaded plan one after another must each be right and bit-identical (a counter left non-zero
+// would make a later run merge early or never).
+TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
+  CaseSpec s;
+  s.kind = PlanKind::kDecode;
+  s.num_qo_heads = 32, s.num_kv_heads = 8, s.head_dim_qk = 128, s.page_size = 16;
+  s.qo_lens.assign(3, 2);
+  s.kv_lens = {15000, 333, 7001};
+  s.seed = 91;
+  Case c = make_case(s);
+  DeviceCase dev(c);
+  BatchPlanArgs args = c.plan_args();
+  args.device = Device::cuda(0);
+  AttentionPlan plan = plan_batch_decode(args);
+  ASSERT_FALSE(plan.merges.empty()) << plan.describe();
+  void* ws = nullptr;
+  void* staging = nullptr;
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&ws, plan.workspace_bytes));
+  ASSERT_EQ(cudaSuccess, cudaMallocHost(&staging, plan.staging_bytes));
+  const Workspace w{ws, plan.workspace_bytes};
+  upload_plan(plan, w, staging, plan.staging_bytes, nullptr);
+  std::vector<uint8_t> first;
+  for (int run_index = 0; run_index < 4; ++run_index) {
+    c.poison_outputs();
+    dev.upload_outputs(c);
+    run(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, w, nullptr);
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    dev.download_outputs(c);
+    const Verdict v = check_case(c, {});
+    EXPECT_TRUE(v.ok) << "run " << run_index << ": " << v.message;
+    const uint8_t* o = static_cast<const uint8_t*>(c.out_view.data);
+    const std::vector<uint8_t> bytes(o, o + c.out_view.numel() * 2);
+    if (run_index == 0)
+      first = bytes;
+    else
+      EXPECT_TRUE(bytes == first) << "run " << run_index << " differs from run 0";
+  }
+  cudaFree(ws);
+  cudaFreeHost(staging);
 }
 
 // Deterministic mode: a request's output is bit-identical alone and inside a larger batch. "Alone" is the

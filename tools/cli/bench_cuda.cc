@@ -336,6 +336,12 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
     for (GpuBenchCase& c : gpu_prefill_suite(options.quick)) suite.push_back(std::move(c));
   if (suite.empty())
     throw std::runtime_error(fmt::format("--suite {}: expected one of {{all, decode, prefill}}", options.suite));
+  if (!options.case_filter.empty()) {
+    std::erase_if(suite, [&](const GpuBenchCase& c) { return c.name.find(options.case_filter) == std::string::npos; });
+    if (suite.empty())
+      throw std::runtime_error(fmt::format("--case {}: no case of suite {} has that in its name", options.case_filter,
+                                           options.suite));
+  }
   const size_t steps = suite.size() + 2;
   fmt::print(stderr, "[1/{}] ceiling: device-to-device copy ...\n", steps);
   const CopyCeiling copy = copy_bandwidth();

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
                         "Device to run on, e.g. cpu or cuda:0 (default: the best present; `attnforge info` lists them)");
   bench_cmd->add_option("--suite", bench.suite, "On a GPU: all, decode or prefill")
       ->check(CLI::IsMember({"all", "decode", "prefill"}));
+  bench_cmd->add_option("--case", bench.case_filter, "On a GPU: only the cases whose name contains this text");
   bench_cmd->add_option("--iters", bench.iters, "Timed runs per case (default: 20, or 5 with --quick)")
       ->check(CLI::Range(1, 1000000));
 

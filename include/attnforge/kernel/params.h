@@ -76,12 +76,13 @@ struct VariantParams {
 // One unit of planned work: rows [qo_begin, qo_end) of request `request` (token indices within the request)
 // against KV positions [kv_begin, kv_end), for every head. partial_row < 0 writes the final output; otherwise
 // the attention state goes to rows partial_row .. partial_row + (qo_end - qo_begin) of the partial buffers and
-// a MergeItem combines it.
+// a MergeItem combines it; `merge` is that MergeItem's index (-1 for an item that writes the final output).
 struct WorkItem {
   int32_t request;
   int32_t qo_begin, qo_end;
   int32_t kv_begin, kv_end;
   int32_t partial_row;
+  int32_t merge;
 };
 
 // Combines the partial states of items [first_item, first_item + num_items), which all cover the same rows.
@@ -104,6 +105,10 @@ struct PlanView {
   const MergeItem* merges;   // [num_merges]
   float* partial_o;          // [partial rows, num_qo_heads, head_dim_vo]
   float* partial_lse;        // [partial rows, num_qo_heads]
+  // Arrival counters of kernels that merge split KV themselves (the CTA that finishes a merge's last piece
+  // combines them): [merge_capacity, num_qo_heads * qo_tile], zero between runs (upload_plan writes zeros; the
+  // merging CTA resets its counter).
+  int32_t* merge_counters;
 };
 
 // Everything one batch-attention launch needs.

@@ -1,12 +1,11 @@
 // Instantiations and launch of the nvcc-compiled decode kernels, and the launch configuration both builds of the
-// kernels share. Split-KV items are merged by the shared merge kernel (backends/cuda/merge).
+// kernels share. Split-KV items are merged inside the decode kernel, by the CTA that finishes a merge's last piece.
 #include <cuda_runtime.h>
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/decode/decode.h"
 #include "backends/cuda/decode/decode_kernel.cuh"
 #include "backends/cuda/kernel_config.h"
-#include "backends/cuda/merge/merge.h"
 
 namespace attnforge::cuda {
 
@@ -52,7 +51,9 @@ KernelAttributes decode_attributes(int head_dim, int stages) {
 
 LaunchConfig decode_launch_config(const AttentionParams& p, int stages) {
   constexpr int kRows = DecodeTraits<64, Bf16>::kRows;  // one mma M tile, the same for every instantiation
-  return attention_launch_config(p, kRows, decode_attributes(p.head_dim_qk, stages));
+  LaunchConfig c = attention_launch_config(p, kRows, decode_attributes(p.head_dim_qk, stages));
+  c.run_merge = false;  // split KV is merged inside the decode kernel, by the CTA that finishes a merge's last piece
+  return c;
 }
 
 int decode_ctas_per_sm(int head_dim) {
@@ -74,7 +75,6 @@ void run_decode(const AttentionParams& p, cudaStream_t stream) {
     case 256: bf16 ? launch_decode<256, Bf16>(p, d, stream) : launch_decode<256, F16>(p, d, stream); break;
     default: break;  // rejected by CudaBackend::check before any launch
   }
-  run_merge(p, stream);
 }
 
 }  // namespace attnforge::cuda

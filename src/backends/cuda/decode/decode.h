@@ -1,6 +1,6 @@
-// Launch of the decode and merge kernels. The launch configuration (grid, block, shared memory, attributes) is
-// computed here once for both builds of the kernels: the nvcc-compiled instantiations (run_decode) and the NVRTC
-// compiled ones (backends/cuda/jit_kernels.h).
+// Launch of the decode kernel (which merges its own split KV). The launch configuration (grid, block, shared
+// memory, attributes) is computed here once for both builds of the kernels: the nvcc-compiled instantiations
+// (run_decode) and the NVRTC compiled ones (backends/cuda/jit_kernels.h).
 #pragma once
 
 #include <cuda_runtime.h>

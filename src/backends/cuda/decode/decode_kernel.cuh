@@ -1,8 +1,9 @@
 // Batch decode on tensor cores. One CTA = (work item, KV head, block of 16 rows); rows are the item's query
 // tokens times the query heads of the KV head's group, so every K/V element loaded is used by all of them.
 // The 4 warps split each 64-token tile (16 tokens each) and keep their own online-softmax state; the states
-// are merged through shared memory at the end. K/V tiles stream through a 3-stage cp.async pipeline, each
-// row fetched from its page with the shared KVParams address arithmetic. Self-contained for NVRTC.
+// are merged through shared memory at the end. K/V tiles stream through a cp.async pipeline, each row fetched
+// from its page with the shared KVParams address arithmetic. KV split over several items is merged by the last
+// CTA of each split to finish (merge_pieces), counted with one atomic per CTA. Self-contained for NVRTC.
 #pragma once
 
 #include "attnforge/kernel/params.h"
@@ -39,6 +40,181 @@ struct DecodeTraits {
   static_assert(kHeadDim % 16 == 0 && kHeadDim >= 64 && kHeadDim <= 256, "head_dim 64..256, multiple of 16");
   static_assert(kMergeBytes <= 2 * 2 * kStages * kTileElems, "merge buffer must fit in the K/V stages");
 };
+
+// Per-warp row states in shared memory (in the K/V stages once the main loop is done): m (log2 units) and l of
+// 16 rows per warp, and o per warp and row, already scaled to the rows' common maximum. The padding of o's rows
+// moves each row 8 banks, so the 8 rows a store instruction writes hit different banks.
+template <class Tr>
+struct DecodeMergeSmem {
+  float* m;  // [warps][16]
+  float* l;  // [warps][16]
+  float* o;  // [warps][16][kMergeStride]
+  __device__ __forceinline__ explicit DecodeMergeSmem(uint16_t* base)
+      : m(reinterpret_cast<float*>(base)), l(m + Tr::kWarps * Tr::kRows), o(l + Tr::kWarps * Tr::kRows) {}
+  __device__ __forceinline__ float* o_at(int warp, int r, int col) const {
+    return o + (warp * Tr::kRows + r) * Tr::kMergeStride + col;
+  }
+  // Rows r0 and r0 + 8 of `warp` (the two rows of an mma fragment).
+  __device__ __forceinline__ void stash_rows(int warp, int r0, const float mv[2], const float lv[2], bool write) const {
+    if (!write) return;
+    for (int h = 0; h < 2; ++h) m[warp * Tr::kRows + r0 + 8 * h] = mv[h], l[warp * Tr::kRows + r0 + 8 * h] = lv[h];
+  }
+  __device__ __forceinline__ float row_max(int r) const {
+    float x = -ATTNFORGE_INFINITY;
+    for (int w = 0; w < Tr::kWarps; ++w) x = fmaxf(x, m[w * Tr::kRows + r]);
+    return x;
+  }
+};
+
+// Combines the warps' states of rows [r_begin, r_end) and writes them: to the partial buffers of a split item
+// (to_partial), otherwise as the final output (normalized, o_factor applied, sinks folded in, LSE).
+template <class Tr>
+__device__ __forceinline__ void finish_rows(const AttentionParams& p, const WorkItem& it, const DecodeMergeSmem<Tr>& ms,
+                                            int row0, int r_begin, int r_end, int group, int kv_head, int qo_start,
+                                            float o_factor, bool to_partial) {
+  constexpr int D = Tr::kHeadDim;
+  const PlanView& plan = *p.plan;
+  for (int i = r_begin * D + threadIdx.x; i < r_end * D; i += Tr::kThreads) {
+    const int r = i / D, d = i % D;
+    const float m_all = ms.row_max(r);
+    float l_all = 0.f, o = 0.f;
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      const float m_w = ms.m[w * Tr::kRows + r];
+      if (m_w != -ATTNFORGE_INFINITY) l_all += ms.l[w * Tr::kRows + r] * exp2f(m_w - m_all);
+      o += *ms.o_at(w, r, d);
+    }
+    float lse = l_all > 0.f ? m_all + log2f(l_all) : -ATTNFORGE_INFINITY;
+    o = l_all > 0.f ? o * o_factor / l_all : 0.f;
+    const QueryRow q = query_row(it, row0 + r, group, kv_head);
+    if (!to_partial) {
+      o *= apply_sink(p.variant, q.head, &lse);
+      store_element(p.o, p.o_dtype, (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head + d, o);
+      if (p.lse && d == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
+    } else {
+      const int64_t prow = static_cast<int64_t>(it.partial_row) + (q.tok - it.qo_begin);
+      plan.partial_o[(prow * p.num_qo_heads + q.head) * D + d] = o;
+      if (d == 0) plan.partial_lse[prow * p.num_qo_heads + q.head] = lse;
+    }
+  }
+}
+
+// The merge of split KV for the rows of one CTA, run by the CTA that finished last, in two passes through L2
+// (ld.global.cg: other SMs wrote the partial states during this kernel). First the weights: each row's largest
+// piece LSE, then 2^(lse_k - max) per piece and row into shared memory, with their sum. Then the sums: each
+// thread owns float4 slices of the rows and adds up the pieces, eight loads in flight at a time, so a merge of
+// 49 pieces costs about a dozen L2 round trips rather than one per piece. Pieces are added in plan order,
+// whichever CTA merges: the result does not depend on arrival order.
+// It reads its item afresh (rather than taking the values the main loop had) so that the compiler keeps none of
+// them alive through the main loop, whose registers are at the limit of three CTAs per SM.
+template <class Tr>
+__device__ __forceinline__ void merge_pieces(const AttentionParams& p, int item_index, uint16_t* smem_area) {
+  const PlanView& plan = *p.plan;
+  const int* raw = reinterpret_cast<const int*>(plan.items + item_index);
+  WorkItem it;
+  it.request = __ldcg(raw + 0), it.qo_begin = __ldcg(raw + 1), it.qo_end = __ldcg(raw + 2);
+  it.kv_begin = __ldcg(raw + 3), it.kv_end = __ldcg(raw + 4), it.partial_row = __ldcg(raw + 5), it.merge = __ldcg(raw + 6);
+  const MergeItem mi = plan.merges[it.merge];
+  const int group = p.num_qo_heads / p.num_kv_heads, kv_head = blockIdx.y, row0 = blockIdx.z * Tr::kRows;
+  const int rows = min(Tr::kRows, (it.qo_end - it.qo_begin) * group - row0);
+  const int qo_start = __ldcg(plan.qo_indptr + it.request);
+  static_assert(sizeof(WorkItem) == 7 * sizeof(int), "WorkItem is read as 7 ints");
+  constexpr int D = Tr::kHeadDim;
+  constexpr int R = Tr::kRows;                        // 16 rows, one per (tid % 16)
+  constexpr int kLanesPerRow = Tr::kThreads / R;      // 8 threads share a row in the weight pass
+  constexpr int kChunk = 256;                         // pieces whose weights sit in shared memory at once
+  constexpr int kSlices = D / 4;                      // float4 slices of a row
+  const int tid = threadIdx.x, heads = p.num_qo_heads;
+  float* s_w = reinterpret_cast<float*>(smem_area);   // [kChunk][R]
+  int64_t* s_base = reinterpret_cast<int64_t*>(s_w + kChunk * R);  // [kChunk]: partial_row * heads
+  float* s_red = reinterpret_cast<float*>(s_base + kChunk);        // [kLanesPerRow][R]
+  float* s_max = s_red + kLanesPerRow * R;                         // [R]
+  float* s_sum = s_max + R;                                        // [R]
+  static_assert(kChunk * R * 4 + kChunk * 8 + (kLanesPerRow + 2) * R * 4 <= 2 * 2 * Tr::kStages * Tr::kTileElems,
+                "the merge's weights must fit in the K/V stages");
+  const WorkItem* pieces = plan.items + mi.first_item;
+  const int n = mi.num_items;
+
+  // Row of this thread in the weight pass, as an offset into a piece's rows.
+  const int wr = tid % R, wk = tid / R;
+  int w_off = -1;
+  if (wr < rows) {
+    const QueryRow q = query_row(it, row0 + wr, group, kv_head);
+    w_off = (q.tok - it.qo_begin) * heads + q.head;
+  }
+  auto lse_of = [&](int k) {
+    return __ldcg(plan.partial_lse + static_cast<int64_t>(pieces[k].partial_row) * heads + w_off);
+  };
+  float m = -ATTNFORGE_INFINITY;
+  if (w_off >= 0) {
+#pragma unroll 4
+    for (int k = wk; k < n; k += kLanesPerRow) m = fmaxf(m, lse_of(k));
+  }
+  s_red[wk * R + wr] = m;
+  __syncthreads();
+  if (tid < R) {
+    float x = -ATTNFORGE_INFINITY;
+    for (int j = 0; j < kLanesPerRow; ++j) x = fmaxf(x, s_red[j * R + tid]);
+    s_max[tid] = x;
+  }
+  __syncthreads();
+  m = s_max[wr];
+  float l = 0.f;
+  float4 acc[(R * kSlices + Tr::kThreads - 1) / Tr::kThreads];
+  constexpr int kOwned = sizeof(acc) / sizeof(acc[0]);  // slices per thread (rows past `rows` stay idle)
+  for (int j = 0; j < kOwned; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int base = 0; base < n; base += kChunk) {
+    const int c = min(kChunk, n - base);
+    for (int k = wk; k < c; k += kLanesPerRow) {
+      float w = 0.f;
+      if (w_off >= 0) {
+        const float lse = lse_of(base + k);
+        w = lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);  // an empty piece adds nothing
+      }
+      s_w[k * R + wr] = w;
+      l += w;
+      if (wr == 0) s_base[k] = static_cast<int64_t>(pieces[base + k].partial_row) * heads;
+    }
+    __syncthreads();
+    for (int j = 0; j < kOwned; ++j) {
+      const int slice = tid + j * Tr::kThreads, r = slice / kSlices;
+      if (r >= rows) continue;
+      const QueryRow q = query_row(it, row0 + r, group, kv_head);
+      const int64_t off = static_cast<int64_t>(q.tok - it.qo_begin) * heads + q.head;
+      const float* o_base = plan.partial_o + off * D + 4 * (slice % kSlices);
+      float4 a = acc[j];
+#pragma unroll 8
+      for (int k = 0; k < c; ++k) {
+        const float w = s_w[k * R + r];
+        const float4 o = __ldcg(reinterpret_cast<const float4*>(o_base + s_base[k] * D));
+        a.x += w * o.x, a.y += w * o.y, a.z += w * o.z, a.w += w * o.w;
+      }
+      acc[j] = a;
+    }
+    __syncthreads();  // the next chunk overwrites the weights
+  }
+  s_red[wk * R + wr] = l;
+  __syncthreads();
+  if (tid < R) {
+    float x = 0.f;
+    for (int j = 0; j < kLanesPerRow; ++j) x += s_red[j * R + tid];
+    s_sum[tid] = x;
+  }
+  __syncthreads();
+  for (int j = 0; j < kOwned; ++j) {
+    const int slice = tid + j * Tr::kThreads, r = slice / kSlices;
+    if (r >= rows) continue;
+    const QueryRow q = query_row(it, row0 + r, group, kv_head);
+    const float sum = s_sum[r];
+    float lse = sum > 0.f ? s_max[r] + log2f(sum) : -ATTNFORGE_INFINITY;
+    const float f = (sum > 0.f ? 1.f / sum : 0.f) * apply_sink(p.variant, q.head, &lse);
+    const int64_t out = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head + 4 * (slice % kSlices);
+    store_element(p.o, p.o_dtype, out, acc[j].x * f);
+    store_element(p.o, p.o_dtype, out + 1, acc[j].y * f);
+    store_element(p.o, p.o_dtype, out + 2, acc[j].z * f);
+    store_element(p.o, p.o_dtype, out + 3, acc[j].w * f);
+    if (p.lse && slice % kSlices == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
+  }
+}
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kernel(const AttentionParams p) {
@@ -223,52 +399,45 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
     __syncthreads();  // all warps are done with the stages: reuse them for the merge
 
     // Merge the four warps' states. Row sums are per-thread partials until here.
-    float* s_m = reinterpret_cast<float*>(sK);  // [warps][16]
-    float* s_l = s_m + Tr::kWarps * Tr::kRows;  // [warps][16]
-    float* s_o = s_l + Tr::kWarps * Tr::kRows;  // [warps][16][D]
+    const DecodeMergeSmem<Tr> ms(sK);
+    float m_row[2], l_row[2];
     for (int h = 0; h < 2; ++h) {
-      l_run[h] = warp_sum_quad(l_run[h]);
-      if (lane % 4 == 0) {
-        s_m[warp * Tr::kRows + lane / 4 + 8 * h] = m_run[h];
-        s_l[warp * Tr::kRows + lane / 4 + 8 * h] = l_run[h];
-      }
+      m_row[h] = m_run[h];
+      l_row[h] = warp_sum_quad(l_run[h]);
     }
+    ms.stash_rows(warp, lane / 4, m_row, l_row, lane % 4 == 0);
     __syncthreads();
     for (int h = 0; h < 2; ++h) {
       const int r = lane / 4 + 8 * h;
-      float m_all = -ATTNFORGE_INFINITY;
-      for (int w = 0; w < Tr::kWarps; ++w) m_all = fmaxf(m_all, s_m[w * Tr::kRows + r]);
-      const float f = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(m_run[h] - m_all);
+      const float f = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(m_run[h] - ms.row_max(r));
       for (int n = 0; n < D / 8; ++n) {
         const int col = n * 8 + 2 * (lane % 4);
-        s_o[(warp * Tr::kRows + r) * Tr::kMergeStride + col] = o_acc[n][2 * h] * f;
-        s_o[(warp * Tr::kRows + r) * Tr::kMergeStride + col + 1] = o_acc[n][2 * h + 1] * f;
+        ms.o_at(warp, r, col)[0] = o_acc[n][2 * h] * f;
+        ms.o_at(warp, r, col)[1] = o_acc[n][2 * h + 1] * f;
       }
     }
     __syncthreads();
-    for (int i = tid; i < Tr::kRows * D; i += Tr::kThreads) {
-      const int r = i / D, d = i % D;
-      if (r >= rows) continue;
-      float m_all = -ATTNFORGE_INFINITY;
-      for (int w = 0; w < Tr::kWarps; ++w) m_all = fmaxf(m_all, s_m[w * Tr::kRows + r]);
-      float l_all = 0.f, o = 0.f;
-      for (int w = 0; w < Tr::kWarps; ++w) {
-        const float m_w = s_m[w * Tr::kRows + r];
-        if (m_w != -ATTNFORGE_INFINITY) l_all += s_l[w * Tr::kRows + r] * exp2f(m_w - m_all);
-        o += s_o[(w * Tr::kRows + r) * Tr::kMergeStride + d];
+    finish_rows<Tr>(p, it, ms, row0, 0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
+
+    // Split KV: the CTA that completes a merge's last piece combines every piece's state for its rows, so no
+    // second kernel (and no launch gap) follows. Counters are zero between runs: the last arrival resets its own.
+    if (it.partial_row >= 0) {
+      __threadfence();  // this CTA's partial rows are visible device-wide before it is counted
+      __syncthreads();
+      __shared__ int s_last;
+      if (tid == 0) {
+        const int merge = __ldcg(&plan.items[item_index].merge);  // reloaded: not kept alive through the main loop
+        const int num_pieces = plan.merges[merge].num_items;
+        int* counter = plan.merge_counters +
+                       (static_cast<int64_t>(merge) * p.num_kv_heads + kv_head) * (p.qo_tile * group) + blockIdx.z;
+        const int arrived = atomicAdd(counter, 1) + 1;
+        s_last = arrived == num_pieces;
+        if (s_last) *counter = 0;  // every piece has arrived: nothing else touches it this run
       }
-      float lse = l_all > 0.f ? m_all + log2f(l_all) : -ATTNFORGE_INFINITY;
-      o = l_all > 0.f ? o * kv.v_scale / l_all : 0.f;
-      const QueryRow q = query_row(it, row0 + r, group, kv_head);
-      const int tok = q.tok, head = q.head;
-      if (it.partial_row < 0) {
-        o *= apply_sink(vp, head, &lse);
-        store_element(p.o, p.o_dtype, (qo_start + tok) * p.o_stride_token + head * p.o_stride_head + d, o);
-        if (p.lse && d == 0) p.lse[(qo_start + tok) * p.lse_stride_token + head] = lse;
-      } else {
-        const int64_t prow = static_cast<int64_t>(it.partial_row) + (tok - it.qo_begin);
-        plan.partial_o[(prow * p.num_qo_heads + head) * D + d] = o;
-        if (d == 0) plan.partial_lse[prow * p.num_qo_heads + head] = lse;
+      __syncthreads();
+      if (s_last) {
+        __threadfence();
+        merge_pieces<Tr>(p, item_index, sK);
       }
     }
     __syncthreads();  // shared memory is reused by the next item
