@@ -155,6 +155,17 @@ TEST(CudaFp8, ServingShapes) {
   run_sampled(specs, 91);
 }
 
+// Small fp8 batches through every part of the fp8 kernel (split KV with merges over page size 3 and an empty
+// request; ragged e5m2 at head_dim 64, whose 64-byte rows take the other swizzle); compute-sanitizer runs these.
+TEST(CudaFp8Small, SplitPagedAndRagged) {
+  const std::vector<CaseSpec> cases = fp8_decode_cases();
+  for (const CaseSpec& s : {cases[6], cases[5]}) {
+    ASSERT_TRUE(s.plan.num_workers == 64 || s.format == KVFormat::kRagged) << "fp8_decode_cases() changed order";
+    const std::string error = run_and_check(s);
+    EXPECT_TRUE(error.empty()) << error;
+  }
+}
+
 // fp8 K/V is built for decode only, without fused RoPE: both refusals name the value and what is accepted.
 TEST(CudaFp8, PrefillAndFusedRopeAreRefused) {
   CaseSpec s = fp8_decode_cases()[0];
