@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -105,19 +106,19 @@ fs::path entry_path(const fs::path& dir, const KernelKey& key) {
 
 // ---- compiling ----
 
-// Every built-in decode configuration (head_dim 64/128/256 x fp16/bf16), for sm_80 and sm_90a: 12 compiles on
-// two threads. Each module names the decode and the merge kernel and holds an ELF cubin; ptxas reports no spill.
+// Every built-in decode configuration (head_dim 64/128/256 x fp16/bf16 Q x K/V in Q's dtype, e4m3 or e5m2, at
+// the tile run() launches), for sm_80 and sm_90a (sm_90a converts e4m3 with cvt, sm_80 by bit arithmetic): 36
+// compiles on two threads. Each module names the decode and the merge kernel and holds an ELF cubin; ptxas
+// reports no spill.
 TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
   std::vector<KernelKey> keys;
   for (const char* arch : {"sm_80", "sm_90a"})
     for (int32_t d : {64, 128, 256})
-      for (DType t : {DType::kFloat16, DType::kBFloat16}) {
-        KernelKey k;
-        k.q_dtype = k.kv_dtype = t;
-        k.head_dim_qk = k.head_dim_vo = d;
-        k.arch = arch;
-        keys.push_back(k);
-      }
+      for (DType t : {DType::kFloat16, DType::kBFloat16})
+        for (DType kv : {t, DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+          AttentionShape shape{32, 8, d, d, t, kv, t};
+          keys.push_back(decode_key(shape, arch));
+        }
   std::vector<std::string> failures(keys.size());
   std::atomic<size_t> next{0};
   auto worker = [&] {
@@ -199,6 +200,15 @@ TEST(JitKey, NamesAndRejectedFields) {
   KernelKey k;
   EXPECT_EQ(k.name(), "decode_d128_bf16_st2_sm90a");
   EXPECT_EQ(small_key().name(), "decode_d64_fp16_st2_sm80");
+  KernelKey fp8 = k;
+  fp8.kv_dtype = DType::kFloat8E4M3;
+  fp8.tile = default_decode_tile(fp8.kv_dtype);
+  EXPECT_EQ(fp8.name(), "decode_d128_bf16_e4m3_st4_sm90a");
+  EXPECT_NE(fp8.render().source.find("DecodeTraits<128, attnforge::cuda::Bf16, 4, attnforge::cuda::E4M3>"),
+            std::string::npos);
+  EXPECT_NE(fp8.warmup_command().find("--kv-dtype e4m3"), std::string::npos) << fp8.warmup_command();
+  const AttentionShape e5m2_shape{32, 8, 64, 64, DType::kFloat16, DType::kFloat8E5M2, DType::kFloat16};
+  EXPECT_EQ(decode_key(e5m2_shape, "sm_80").name(), "decode_d64_fp16_e5m2_st4_sm80");
   auto rejects = [](KernelKey key, const char* words) {
     try {
       key.render();
@@ -212,11 +222,17 @@ TEST(JitKey, NamesAndRejectedFields) {
   bad.head_dim_qk = bad.head_dim_vo = 96;
   rejects(bad, "head_dim 96/96");
   bad = k;
-  bad.kv_dtype = DType::kFloat8E4M3;
-  rejects(bad, "fp8 K/V is not built");
+  bad.kv_dtype = DType::kFloat16;
+  rejects(bad, "kv_dtype float16 with q_dtype bfloat16");
   bad = k;
   bad.tile.stages = 5;
   rejects(bad, "tile.stages 5");
+  bad = k;
+  bad.tile.stages = 4;
+  rejects(bad, "tile.stages 4: the decode kernel takes {2, 3} ({2, 3, 4} with fp8 K/V)");
+  bad = fp8;
+  bad.tile.stages = 5;
+  rejects(bad, "tile.stages 5: the decode kernel takes {2, 3}, and {2, 3, 4} with fp8 K/V");
   bad = k;
   bad.variant = "sigmoid";
   rejects(bad, "custom variants are not built yet");
@@ -485,11 +501,23 @@ TEST(JitLaunch, OneConfigurationFromTheTraits) {
   auto smem = [](int d, int stages) { return 2 * (16 * d + 2 * stages * 64 * d); };
   for (int d : {64, 128, 256})
     for (int stages : {2, 3}) {
-      const cuda::DecodeAttributes a = cuda::decode_attributes(d, stages);
+      const cuda::DecodeAttributes a = cuda::decode_attributes(d, DType::kBFloat16, stages);
       EXPECT_EQ(a.threads, 128);
       EXPECT_EQ(a.max_dynamic_smem, smem(d, stages)) << "head_dim " << d << ", stages " << stages;
       EXPECT_EQ(a.carveout_percent, 100);
     }
+  // fp8 K/V: stages of 1-byte elements; the cross-warp merge (16 rows x (d + 10) floats per warp) reuses them and
+  // sets the size where the stages are smaller. The default fp8 tile uses the shared memory of the 16-bit one.
+  auto merge = [](int d) { return 4 * 16 * (d + 10) * 4; };
+  for (int d : {64, 128, 256})
+    for (int stages : {2, 3, 4}) {
+      const int expected = 2 * 16 * d + std::max(2 * stages * 64 * d, merge(d));
+      EXPECT_EQ(cuda::decode_attributes(d, DType::kFloat8E4M3, stages).max_dynamic_smem, expected) << d << " " << stages;
+      EXPECT_EQ(cuda::decode_attributes(d, DType::kFloat8E5M2, stages).max_dynamic_smem, expected) << d << " " << stages;
+    }
+  for (int d : {64, 128, 256})
+    EXPECT_EQ(cuda::decode_attributes(d, DType::kFloat8E4M3, cuda::kDefaultDecodeStagesFp8).max_dynamic_smem,
+              smem(d, cuda::kDefaultDecodeStages));
   AttentionParams p{};
   p.num_qo_heads = 32, p.num_kv_heads = 8, p.head_dim_qk = p.head_dim_vo = 128;
   p.qo_tile = 8;  // 8 tokens x 4 heads of a group = 32 rows = 2 blocks of 16
@@ -508,7 +536,8 @@ TEST(JitLaunch, OneConfigurationFromTheTraits) {
 
 // ---- warm-up ----
 
-// Configurations that differ only in run-time values share kernels; prefill and fp8 K/V are reported as skipped.
+// Configurations that differ only in run-time values share kernels; fp8 K/V gets kernels of its own; prefill is
+// reported as skipped.
 TEST(JitWarmup, DedupesConfigurationsAndReportsWhatItSkips) {
   TempDir tmp;
   set_cache_dir(tmp.path.string());
@@ -519,9 +548,14 @@ TEST(JitWarmup, DedupesConfigurationsAndReportsWhatItSkips) {
     lines.push_back(l);
   });
   std::vector<AttentionConfig> configs;
+  int fp8_configs = 0;
   for (const AttentionConfig& c : default_warmup_configs())
-    if (c.shape.head_dim_qk == 64) configs.push_back(c);
+    if (c.shape.head_dim_qk == 64 && c.shape.kv_dtype == c.shape.q_dtype)
+      configs.push_back(c);
+    else if (c.shape.head_dim_qk == 64)
+      ++fp8_configs;
   ASSERT_EQ(configs.size(), 8u);  // two models x two dtypes x two page sizes
+  EXPECT_EQ(fp8_configs, 16) << "the default set warms e4m3 and e5m2 K/V for each of them";
   AttentionConfig prefill = configs[0];
   prefill.kind = PlanKind::kPrefill;
   AttentionConfig fp8 = configs[0];
@@ -533,18 +567,18 @@ TEST(JitWarmup, DedupesConfigurationsAndReportsWhatItSkips) {
   options.threads = 2;
   const WarmupReport first = warmup(configs, options);
   ASSERT_TRUE(first.ok());
-  ASSERT_EQ(first.kernels.size(), 2u);  // fp16 and bf16
+  ASSERT_EQ(first.kernels.size(), 3u);  // fp16, bf16, and bf16 with e4m3 K/V
   EXPECT_EQ(first.kernels[0].name, "decode_d64_bf16_st2_sm80");
   EXPECT_EQ(first.kernels[0].origin, "compiled");
-  ASSERT_EQ(first.skipped.size(), 2u);
+  EXPECT_EQ(first.kernels[2].name, "decode_d64_bf16_e4m3_st4_sm80");
+  ASSERT_EQ(first.skipped.size(), 1u);
   EXPECT_NE(first.skipped[0].find("no CUDA prefill kernel yet"), std::string::npos) << first.skipped[0];
-  EXPECT_NE(first.skipped[1].find("fp8 K/V is not built"), std::string::npos) << first.skipped[1];
-  EXPECT_EQ(files_in(tmp.path).size(), 2u);
+  EXPECT_EQ(files_in(tmp.path).size(), 3u);
   const WarmupReport second = warmup(configs, options);
   EXPECT_EQ(second.kernels[0].origin, "memory");
   set_log_sink(nullptr);
   set_cache_dir("");
-  EXPECT_EQ(lines.size(), 4u) << "one line before and one after each of the two compiles";
+  EXPECT_EQ(lines.size(), 6u) << "one line before and one after each of the three compiles";
 }
 
 TEST(JitSettings, ModesParseAndBadValuesAreNamed) {

@@ -20,9 +20,12 @@ enum class KernelFamily : int32_t {
 // The tile configuration of a decode kernel: 4 warps of 16 tokens per 64-token K/V tile over 16 query rows are
 // fixed by the kernel's design; the depth of the cp.async pipeline is free.
 struct DecodeTile {
-  int32_t stages = cuda::kDefaultDecodeStages;  // 2 or 3
+  int32_t stages = cuda::kDefaultDecodeStages;  // 2 or 3; fp8 K/V: 2, 3 or 4
   bool operator==(const DecodeTile&) const = default;
 };
+
+// The tile configuration run() launches for K/V of `kv_dtype` (decode_defaults.cuh).
+inline DecodeTile default_decode_tile(DType kv_dtype) { return {cuda::default_decode_stages(kv_dtype)}; }
 
 struct KernelKey {
   KernelFamily family = KernelFamily::kDecode;
@@ -39,7 +42,8 @@ struct KernelKey {
 
   bool operator==(const KernelKey&) const = default;
 
-  // "decode_d128_bf16_st2_sm90a" (a custom variant adds its name). Unique among valid keys.
+  // "decode_d128_bf16_st2_sm90a"; fp8 K/V adds its format ("decode_d128_bf16_e4m3_st4_sm90a"), a custom variant its
+  // name. Unique among valid keys.
   std::string name() const;
   // Throws kUnsupported naming the field, its value and what is accepted.
   void validate() const;
@@ -53,7 +57,9 @@ struct KernelKey {
 constexpr int kDecodeEntry = 0;
 constexpr int kMergeEntry = 1;
 
-// The decode key for an attention shape on `arch`; throws kUnsupported when no decode kernel serves it.
-KernelKey decode_key(const AttentionShape& shape, const std::string& arch, DecodeTile tile = {});
+// The decode key for an attention shape on `arch` (with the tile run() launches, or `tile`); throws kUnsupported
+// when no decode kernel serves it.
+KernelKey decode_key(const AttentionShape& shape, const std::string& arch);
+KernelKey decode_key(const AttentionShape& shape, const std::string& arch, DecodeTile tile);
 
 }  // namespace attnforge::jit

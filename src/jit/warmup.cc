@@ -35,17 +35,19 @@ std::vector<AttentionConfig> default_warmup_configs() {
       {14, 2, 64},   // Qwen2.5 0.5B
       {16, 8, 256},  // Gemma-style head_dim 256
   };
+  // K/V in the dtype of Q, or an fp8 cache (e4m3fn or e5m2, with per-tensor scales).
   std::vector<AttentionConfig> out;
   for (const Model& m : kModels)
     for (DType t : {DType::kBFloat16, DType::kFloat16})
-      for (int32_t page : {1, 16}) {
-        AttentionConfig c;
-        c.device = Device::cuda(0);
-        c.kind = PlanKind::kDecode;
-        c.shape = {m.qo_heads, m.kv_heads, m.head_dim, m.head_dim, t, t, t};
-        c.page_size = page;
-        out.push_back(c);
-      }
+      for (DType kv : {t, DType::kFloat8E4M3, DType::kFloat8E5M2})
+        for (int32_t page : {1, 16}) {
+          AttentionConfig c;
+          c.device = Device::cuda(0);
+          c.kind = PlanKind::kDecode;
+          c.shape = {m.qo_heads, m.kv_heads, m.head_dim, m.head_dim, t, kv, t};
+          c.page_size = page;
+          out.push_back(c);
+        }
   return out;
 }
 

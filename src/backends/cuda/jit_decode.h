@@ -35,14 +35,15 @@ class JitDecode {
   void run(const AttentionParams& p, cudaStream_t stream);
 
  private:
-  // run() finds the kernels of the shapes run() accepts (3 head dims x 2 dtypes) without a lock or a string.
+  // run() finds the kernels of the shapes run() accepts (3 head dims x 2 Q dtypes x K/V in Q's dtype, e4m3 or
+  // e5m2) without a lock or a string.
   const Kernels& kernels_for(const AttentionShape& shape);
 
   int device_;
   std::string arch_;
   std::mutex mutex_;
   std::map<std::string, Kernels> loaded_;  // by kernel name (unique per key)
-  std::array<std::atomic<const Kernels*>, 6> by_shape_{};
+  std::array<std::atomic<const Kernels*>, 18> by_shape_{};
 };
 
 }  // namespace attnforge::cuda

@@ -17,7 +17,7 @@ struct DecodeAttributes {
   int max_dynamic_smem;
   int carveout_percent;
 };
-DecodeAttributes decode_attributes(int head_dim, int stages);
+DecodeAttributes decode_attributes(int head_dim, DType kv_dtype, int stages);
 
 // Grid sizes come from the plan's capacities (fixed for a batch size), never from its counts, so a captured
 // graph stays valid across re-plans; kernels loop over the counts they read from the workspace.
@@ -26,8 +26,8 @@ struct DecodeLaunchConfig {
 };
 DecodeLaunchConfig decode_launch_config(const AttentionParams& p, int stages);
 
-// The nvcc-compiled kernels (the default tile configuration).
-int decode_ctas_per_sm(int head_dim);
+// The nvcc-compiled kernels (the default tile configuration, default_decode_stages(kv_dtype)).
+int decode_ctas_per_sm(int head_dim, DType kv_dtype);
 void run_decode(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace attnforge::cuda
