@@ -76,7 +76,8 @@ def main():
         qo = max(qo_lens)
         flops = r.get("flops", 0.0)
         causal = shape.get("causal", False)
-        if shape.get("kv_dtype") != "bfloat16":
+        if shape.get("kv_dtype") != "bfloat16":  # fp8 K/V: the peers here take bf16 K/V only
+            print(f"peers: {r['case']}: K/V {shape.get('kv_dtype')} has no peer here (bf16 only); skipped", file=sys.stderr)
             continue
         lmax = max(kv_lens)
         kv_bytes = 2 * sum(kv_lens) * hkv * d * 2

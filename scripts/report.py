@@ -40,6 +40,14 @@ def main():
                      f"{r.get('pct_of_ceiling', 0):.0f}% | " + " | ".join(ratios) + " |")
     lines.append("")
     lines.append("Ratios are peer time / attnforge time on the same shapes in the same run (above 1: attnforge faster).")
+    # fp8 K/V cases ("<case> fp8") against their bf16 case: the target is 1.7x faster or more.
+    by_name = {r["case"]: r for r in ours if r.get("system") == "attnforge"}
+    for name, r in by_name.items():
+        base = by_name.get(name[:-len(" fp8")]) if name.endswith(" fp8") else None
+        if base:
+            speedup = base["median_us"] / r["median_us"]
+            lines.append(f"- {name}: {speedup:.2f}x faster than {base['case']} (bf16 K/V); target >= 1.7x: "
+                         f"{'met' if speedup >= 1.7 else 'NOT met'}")
     print("\n".join(lines))
 
 

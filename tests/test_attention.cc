@@ -1,11 +1,16 @@
 // Batch attention on the CPU backend against the float64 reference: the case registry and a seeded fuzz test.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <ostream>
 #include <string>
+#include <vector>
 
+#include "backends/cpu/convert.h"
 #include "testing/compare.h"
+#include "testing/reference.h"
 #include "testing/registry.h"
 
 using namespace attnforge;
@@ -26,6 +31,76 @@ TEST_P(Registry, MatchesFloat64Reference) { check_spec(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Cases, Registry, ::testing::ValuesIn(registry_cases()),
                          [](const ::testing::TestParamInfo<CaseSpec>& info) { return "case" + std::to_string(info.index); });
+
+// The fp8 K/V decode cases the CUDA tests run (testing/registry.h), on the CPU backend.
+TEST(Fp8Cases, MatchFloat64Reference) {
+  for (const CaseSpec& spec : fp8_decode_cases()) check_spec(spec);
+}
+
+// The tolerance of the fp8 cases is tight enough to catch a wrong fp8 decode on the GPU: outputs computed (in
+// float64) from K/V decoded the ways a kernel can get it wrong all fail the check, while the correct float64
+// outputs pass it.
+TEST(Fp8Cases, ToleranceRejectsWronglyDecodedKV) {
+  using Values = std::vector<std::vector<float>>;
+  struct Mistake {
+    const char* what;
+    std::function<void(Case&)> apply;
+  };
+  auto each = [](Values& vals, int32_t dim, auto&& f) {  // f(row of `dim` values)
+    for (auto& request : vals)
+      for (size_t i = 0; i + dim <= request.size(); i += dim) f(&request[i]);
+  };
+  const std::vector<Mistake> mistakes = {
+      {"K decoded as zeros", [](Case& c) { for (auto& r : c.k_vals) std::fill(r.begin(), r.end(), 0.f); }},
+      {"V decoded as zeros", [](Case& c) { for (auto& r : c.v_vals) std::fill(r.begin(), r.end(), 0.f); }},
+      {"K exponent bias off by one", [](Case& c) { for (auto& r : c.k_vals) for (float& x : r) x *= 2.f; }},
+      {"V exponent bias off by one", [](Case& c) { for (auto& r : c.v_vals) for (float& x : r) x *= 0.5f; }},
+      {"K head dims not in Q's permuted order",
+       [&](Case& c) {
+         each(c.k_vals, c.spec.head_dim_qk, [&](float* row) {
+           for (int32_t b = 0; b < c.spec.head_dim_qk; b += 16) {
+             float block[16];
+             for (int32_t slot = 0; slot < 16; ++slot)  // slot pair p holds dim pair [0,2,4,6,1,3,5,7][p]
+               block[slot] = row[b + 2 * ((slot / 2) % 4 * 2 + slot / 8) + slot % 2];
+             std::copy(block, block + 16, row + b);
+           }
+         });
+       }},
+      {"output dims of the even and odd V tiles swapped",
+       [&](Case& c) {
+         each(c.v_vals, c.head_dim_vo(), [&](float* row) {
+           for (int32_t d = 0; d < c.head_dim_vo(); d += 2) std::swap(row[d], row[d + 1]);
+         });
+       }},
+      {"V tokens paired wrongly",
+       [&](Case& c) {
+         const int64_t row = static_cast<int64_t>(c.spec.num_kv_heads) * c.head_dim_vo();
+         for (auto& r : c.v_vals)
+           for (size_t t = 0; t + 2 * row <= r.size(); t += 2 * row)
+             std::swap_ranges(r.begin() + t, r.begin() + t + row, r.begin() + t + row);
+       }},
+  };
+  for (const CaseSpec& spec : fp8_decode_cases()) {
+    Case c = make_case(spec);
+    auto check_outputs_of = [&](const Case& source) {
+      const Reference r = reference_f64(source);
+      for (size_t i = 0; i < r.o.size(); ++i) {
+        const float x = static_cast<float>(r.o[i]);
+        cpu::store_row(c.out_view.data, spec.o_dtype, static_cast<int64_t>(i), 1, &x);
+      }
+      for (size_t i = 0; i < r.lse.size(); ++i) c.lse_view.ptr<float>()[i] = static_cast<float>(r.lse[i]);
+      return check_case(c);
+    };
+    const Verdict right = check_outputs_of(c);
+    EXPECT_TRUE(right.ok) << "the correct outputs: " << right.message << "\n  case: " << spec.describe();
+    for (const Mistake& m : mistakes) {
+      Case wrong = c;
+      m.apply(wrong);
+      const Verdict v = check_outputs_of(wrong);
+      EXPECT_FALSE(v.ok) << m.what << " passes: " << v.message << "\n  case: " << spec.describe();
+    }
+  }
+}
 
 uint64_t env_or(const char* name, uint64_t fallback) {
   const char* s = std::getenv(name);

@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -138,19 +139,18 @@ std::vector<std::string> compile_all(const std::vector<KernelKey>& keys, bool no
   return failures;
 }
 
-// Every built-in decode configuration (head_dim 64/128/256 x fp16/bf16), for sm_80 and sm_90a: 12 compiles on
-// two threads. ptxas reports no spill.
+// Every built-in decode configuration (head_dim 64/128/256 x fp16/bf16 Q x K/V in Q's dtype, e4m3 or e5m2, at
+// the tile run() launches), for sm_80 and sm_90a (sm_90a converts e4m3 with cvt, sm_80 by bit arithmetic): 36
+// compiles on two threads. ptxas reports no spill.
 TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
   std::vector<KernelKey> keys;
   for (const char* arch : {"sm_80", "sm_90a"})
     for (int32_t d : {64, 128, 256})
-      for (DType t : {DType::kFloat16, DType::kBFloat16}) {
-        KernelKey k;
-        k.q_dtype = k.kv_dtype = t;
-        k.head_dim_qk = k.head_dim_vo = d;
-        k.arch = arch;
-        keys.push_back(k);
-      }
+      for (DType t : {DType::kFloat16, DType::kBFloat16})
+        for (DType kv : {t, DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+          AttentionShape shape{32, 8, d, d, t, kv, t};
+          keys.push_back(decode_key(shape, arch));
+        }
   const std::vector<std::string> failures = compile_all(keys, /*no_spills=*/true);
   for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
 }
@@ -208,6 +208,15 @@ TEST(JitKey, NamesAndRejectedFields) {
   KernelKey k;
   EXPECT_EQ(k.name(), "decode_d128_bf16_st2_sm90a");
   EXPECT_EQ(small_key().name(), "decode_d64_fp16_st2_sm80");
+  KernelKey fp8 = k;
+  fp8.kv_dtype = DType::kFloat8E4M3;
+  fp8.decode_tile = default_decode_tile(fp8.kv_dtype);
+  EXPECT_EQ(fp8.name(), "decode_d128_bf16_e4m3_st4_sm90a");
+  EXPECT_NE(fp8.render().source.find("DecodeTraits<128, attnforge::cuda::Bf16, 4, attnforge::cuda::E4M3>"),
+            std::string::npos);
+  EXPECT_NE(fp8.warmup_command().find("--kv-dtype e4m3"), std::string::npos) << fp8.warmup_command();
+  const AttentionShape e5m2_shape{32, 8, 64, 64, DType::kFloat16, DType::kFloat8E5M2, DType::kFloat16};
+  EXPECT_EQ(decode_key(e5m2_shape, "sm_80").name(), "decode_d64_fp16_e5m2_st4_sm80");
   const AttentionShape bf16{32, 8, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16};
   const AttentionShape fp16{16, 8, 64, 64, DType::kFloat16, DType::kFloat16, DType::kFloat16};
   EXPECT_EQ(prefill_key(bf16, "sm_90a", true).name(), "prefill_d128_bf16_rope_sm90a");
@@ -235,8 +244,11 @@ TEST(JitKey, NamesAndRejectedFields) {
   rejects(k, {
       {[](KernelKey& b) { b.head_dim_qk = b.head_dim_vo = 96; },
        "head_dim 96/96: the decode kernel takes equal Q/K and V head dims in {64, 128, 256}"},
-      {[](KernelKey& b) { b.kv_dtype = DType::kFloat8E4M3; }, "fp8 K/V is not built"},
+      {[](KernelKey& b) { b.kv_dtype = DType::kFloat16; },
+       "kv_dtype float16 with q_dtype bfloat16: the decode kernel takes K/V in {bfloat16, float8_e4m3, float8_e5m2}"},
       {[](KernelKey& b) { b.decode_tile.stages = 5; }, "decode_tile.stages 5: the decode kernel takes {2, 3}"},
+      {[](KernelKey& b) { b.decode_tile.stages = 4; },
+       "decode_tile.stages 4: the decode kernel takes {2, 3} ({2, 3, 4} with fp8 K/V)"},
       {[](KernelKey& b) { b.variant = "sigmoid"; }, "custom variants are not built yet"},
       {[](KernelKey& b) { b.rope = true; },
        "rope true: the decode kernel reads RoPE from params at run time; a decode key takes {false}"},
@@ -245,6 +257,10 @@ TEST(JitKey, NamesAndRejectedFields) {
       {[](KernelKey& b) { b.family = static_cast<KernelFamily>(7); },
        "kernel family 7: the run-time compiler builds {decode, prefill}"},
   });
+  rejects(fp8, {
+      {[](KernelKey& b) { b.decode_tile.stages = 5; },
+       "decode_tile.stages 5: the decode kernel takes {2, 3}, and {2, 3, 4} with fp8 K/V"},
+  });
   rejects(prefill_key(bf16, "sm_90a", true), {
       {[](KernelKey& b) { b.head_dim_qk = b.head_dim_vo = 96; },
        "head_dim 96/96: the prefill kernel takes equal Q/K and V head dims in {64, 128, 256}"},
@@ -252,7 +268,8 @@ TEST(JitKey, NamesAndRejectedFields) {
       {[](KernelKey& b) { b.q_dtype = b.kv_dtype = DType::kFloat32; },
        "q_dtype float32: the prefill kernel takes {bfloat16, float16}"},
       {[](KernelKey& b) { b.kv_dtype = DType::kFloat8E4M3; },
-       "the prefill kernel needs K/V in the dtype of Q (fp8 K/V is not built"},
+       "kv_dtype float8_e4m3 with q_dtype bfloat16: the prefill kernel takes K/V in {bfloat16} (fp8 K/V is not "
+       "built for CUDA prefill yet)"},
       {[](KernelKey& b) { b.prefill_tile.stage_steps = 3; },
        "prefill_tile.stage_steps 3: the prefill kernel takes {1, 2}"},
       {[](KernelKey& b) { b.decode_tile.stages = 3; }, "decode_tile.stages 3: a prefill key takes the default {2}"},
@@ -275,6 +292,8 @@ TEST(JitKey, NamesAndSourcesAreUniqueAcrossFamilies) {
       for (DType t : {DType::kFloat16, DType::kBFloat16}) {
         const AttentionShape shape{32, 8, d, d, t, t, t};
         for (int32_t stages : {2, 3}) keys.push_back(decode_key(shape, arch, DecodeTile{stages}));
+        for (DType kv : {DType::kFloat8E4M3, DType::kFloat8E5M2})
+          for (int32_t stages : {2, 3, 4}) keys.push_back(decode_key({32, 8, d, d, t, kv, t}, arch, DecodeTile{stages}));
         for (bool rope : {false, true})
           for (int32_t steps : {1, 2}) keys.push_back(prefill_key(shape, arch, rope, PrefillTile{steps}));
       }
@@ -287,7 +306,7 @@ TEST(JitKey, NamesAndSourcesAreUniqueAcrossFamilies) {
     EXPECT_TRUE(sources.insert(src.arch + " " + src.entry_points[0]).second)
         << "two keys build the kernel of " << src.name;
   }
-  EXPECT_EQ(source_by_name.size(), 3u * 3 * 2 * (2 + 4));
+  EXPECT_EQ(source_by_name.size(), 3u * 3 * 2 * (2 + 2 * 3 + 4));
 }
 
 // The prefill translation unit: the kernel header and the merge kernel, and the nvcc build's instantiation
@@ -307,7 +326,7 @@ TEST(JitKey, PrefillSourceInstantiatesTheTraitsOfTheKey) {
                             "128, attnforge::cuda::Bf16, true, 32>>(const attnforge::AttentionParams);"),
             std::string::npos)
       << src.source;
-  EXPECT_EQ(src.warmup_command, "attnforge warmup --arch sm_90a --head-dim 128 --dtype bf16");
+  EXPECT_EQ(src.warmup_command, "attnforge warmup --arch sm_90a --head-dim 128 --dtype bf16 --kv-dtype same");
   const AttentionShape fp16{16, 8, 64, 64, DType::kFloat16, DType::kFloat16, DType::kFloat16};
   EXPECT_EQ(prefill_key(fp16, "sm_80", false, PrefillTile{2}).render().entry_points[kAttentionEntry],
             "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<64, attnforge::cuda::F16, false, 128>>");
@@ -576,11 +595,23 @@ TEST(JitLaunch, OneConfigurationFromTheTraits) {
   auto smem = [](int d, int stages) { return 2 * (16 * d + 2 * stages * 64 * d); };
   for (int d : {64, 128, 256})
     for (int stages : {2, 3}) {
-      const cuda::KernelAttributes a = cuda::decode_attributes(d, stages);
+      const cuda::KernelAttributes a = cuda::decode_attributes(d, DType::kBFloat16, stages);
       EXPECT_EQ(a.threads, 128);
       EXPECT_EQ(a.max_dynamic_smem, smem(d, stages)) << "head_dim " << d << ", stages " << stages;
       EXPECT_EQ(a.carveout_percent, 100);
     }
+  // fp8 K/V: stages of 1-byte elements; the cross-warp merge (16 rows x (d + 10) floats per warp) reuses them and
+  // sets the size where the stages are smaller. The default fp8 tile uses the shared memory of the 16-bit one.
+  auto merge = [](int d) { return 4 * 16 * (d + 10) * 4; };
+  for (int d : {64, 128, 256})
+    for (int stages : {2, 3, 4}) {
+      const int expected = 2 * 16 * d + std::max(2 * stages * 64 * d, merge(d));
+      EXPECT_EQ(cuda::decode_attributes(d, DType::kFloat8E4M3, stages).max_dynamic_smem, expected) << d << " " << stages;
+      EXPECT_EQ(cuda::decode_attributes(d, DType::kFloat8E5M2, stages).max_dynamic_smem, expected) << d << " " << stages;
+    }
+  for (int d : {64, 128, 256})
+    EXPECT_EQ(cuda::decode_attributes(d, DType::kFloat8E4M3, cuda::kDefaultDecodeStagesFp8).max_dynamic_smem,
+              smem(d, cuda::kDefaultDecodeStages));
   AttentionParams p{};
   p.num_qo_heads = 32, p.num_kv_heads = 8, p.head_dim_qk = p.head_dim_vo = 128;
   p.qo_tile = 8;  // 8 tokens x 4 heads of a group = 32 rows = 2 blocks of 16
@@ -646,8 +677,8 @@ TEST(JitLaunch, PrefillConfigurationFromTheTraits) {
 
 // ---- warm-up ----
 
-// The default set holds, for each head dim and dtype, the decode kernel and both prefill kernels (RoPE off and on),
-// and nothing the run-time kernels do not serve.
+// The default set holds, for each head dim and dtype, the decode kernels (K/V in Q's dtype, e4m3, e5m2) and both
+// prefill kernels (RoPE off and on), and nothing the run-time kernels do not serve.
 TEST(JitWarmup, DefaultSetHoldsDecodeAndPrefillKernels) {
   std::set<std::string> names;
   for (const AttentionConfig& c : default_warmup_configs())
@@ -657,6 +688,8 @@ TEST(JitWarmup, DefaultSetHoldsDecodeAndPrefillKernels) {
   for (int d : {64, 128, 256})
     for (const char* t : {"fp16", "bf16"}) {
       expected.insert(fmt::format("decode_d{}_{}_st2_sm90a", d, t));
+      expected.insert(fmt::format("decode_d{}_{}_e4m3_st4_sm90a", d, t));
+      expected.insert(fmt::format("decode_d{}_{}_e5m2_st4_sm90a", d, t));
       expected.insert(fmt::format("prefill_d{}_{}_sm90a", d, t));
       expected.insert(fmt::format("prefill_d{}_{}_rope_sm90a", d, t));
     }
@@ -664,7 +697,8 @@ TEST(JitWarmup, DefaultSetHoldsDecodeAndPrefillKernels) {
 }
 
 // Configurations that differ only in run-time values share kernels (page size, head counts; RoPE for decode);
-// prefill kernels compile first (the long compiles); fp8 K/V is reported as skipped.
+// fp8 K/V gets decode kernels of its own; prefill kernels compile first (the long compiles); fp8 prefill is reported
+// as skipped.
 TEST(JitWarmup, DedupesConfigurationsAndReportsWhatItSkips) {
   TempDir tmp;
   set_cache_dir(tmp.path.string());
@@ -675,9 +709,14 @@ TEST(JitWarmup, DedupesConfigurationsAndReportsWhatItSkips) {
     lines.push_back(l);
   });
   std::vector<AttentionConfig> configs;
+  int fp8_configs = 0;
   for (const AttentionConfig& c : default_warmup_configs())
-    if (c.shape.head_dim_qk == 64 && c.kind == PlanKind::kDecode) configs.push_back(c);
+    if (c.shape.head_dim_qk == 64 && c.kind == PlanKind::kDecode && c.shape.kv_dtype == c.shape.q_dtype)
+      configs.push_back(c);
+    else if (c.shape.head_dim_qk == 64 && c.kind == PlanKind::kDecode)
+      ++fp8_configs;
   ASSERT_EQ(configs.size(), 8u);  // two models x two dtypes x two page sizes
+  EXPECT_EQ(fp8_configs, 16) << "the default set warms e4m3 and e5m2 K/V for each of them";
   AttentionConfig decode_rope = configs[0];
   decode_rope.rope = true;
   AttentionConfig prefill = configs[0];  // bf16, page size 1
@@ -687,30 +726,33 @@ TEST(JitWarmup, DedupesConfigurationsAndReportsWhatItSkips) {
   prefill_other.shape.num_qo_heads = 32;
   AttentionConfig fp8 = configs[0];
   fp8.shape.kv_dtype = DType::kFloat8E4M3;
-  configs.insert(configs.end(), {decode_rope, prefill, prefill_other, fp8});
+  AttentionConfig fp8_prefill = prefill;
+  fp8_prefill.shape.kv_dtype = DType::kFloat8E4M3;
+  configs.insert(configs.end(), {decode_rope, prefill, prefill_other, fp8, fp8_prefill});
   WarmupOptions options;
   options.archs = {"sm_80"};
   options.threads = 2;
   const WarmupReport first = warmup(configs, options);
   ASSERT_TRUE(first.ok());
-  ASSERT_EQ(first.kernels.size(), 3u);  // prefill bf16; decode bf16 and fp16
+  ASSERT_EQ(first.kernels.size(), 4u);  // prefill bf16; decode bf16, fp16, and bf16 with e4m3 K/V
   EXPECT_EQ(first.kernels[0].name, "prefill_d64_bf16_sm80");
   EXPECT_EQ(first.kernels[1].name, "decode_d64_bf16_st2_sm80");
   EXPECT_EQ(first.kernels[2].name, "decode_d64_fp16_st2_sm80");
+  EXPECT_EQ(first.kernels[3].name, "decode_d64_bf16_e4m3_st4_sm80");
   for (const WarmupReport::Kernel& k : first.kernels) EXPECT_EQ(k.origin, "compiled") << k.name;
   ASSERT_EQ(first.skipped.size(), 1u);
-  EXPECT_NE(first.skipped[0].find("fp8 K/V is not built"), std::string::npos) << first.skipped[0];
-  EXPECT_EQ(files_in(tmp.path).size(), 3u);
+  EXPECT_NE(first.skipped[0].find("fp8 K/V is not built for CUDA prefill"), std::string::npos) << first.skipped[0];
+  EXPECT_EQ(files_in(tmp.path).size(), 4u);
   const WarmupReport second = warmup(configs, options);
   for (const WarmupReport::Kernel& k : second.kernels) EXPECT_EQ(k.origin, "memory") << k.name;
   set_log_sink(nullptr);
   set_cache_dir("");
-  // One line before and one after each of the three compiles (and NVRTC's warnings, such as ptxas's spill report
+  // One line before and one after each of the four compiles (and NVRTC's warnings, such as ptxas's spill report
   // for the prefill kernel, on lines of their own).
   int compile_lines = 0;
   for (const std::string& l : lines)
     compile_lines += l.find("attnforge jit: compiling ") == 0 || l.find("attnforge jit: compiled ") == 0;
-  EXPECT_EQ(compile_lines, 6) << fmt::format("{}", fmt::join(lines, "\n"));
+  EXPECT_EQ(compile_lines, 8) << fmt::format("{}", fmt::join(lines, "\n"));
 }
 
 TEST(JitSettings, ModesParseAndBadValuesAreNamed) {

@@ -9,9 +9,24 @@ namespace attnforge::jit {
 
 namespace {
 
-// Short dtype names for kernel names and the element type argument of the traits.
-const char* short_name(DType t) { return t == DType::kFloat16 ? "fp16" : t == DType::kBFloat16 ? "bf16" : "?"; }
-const char* elem_type(DType t) { return t == DType::kFloat16 ? "attnforge::cuda::F16" : "attnforge::cuda::Bf16"; }
+// Short dtype names for kernel names and the element type arguments of the traits.
+const char* short_name(DType t) {
+  switch (t) {
+    case DType::kFloat16: return "fp16";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat8E4M3: return "e4m3";
+    case DType::kFloat8E5M2: return "e5m2";
+    default: return "?";
+  }
+}
+const char* elem_type(DType t) {
+  switch (t) {
+    case DType::kFloat16: return "attnforge::cuda::F16";
+    case DType::kFloat8E4M3: return "attnforge::cuda::E4M3";
+    case DType::kFloat8E5M2: return "attnforge::cuda::E5M2";
+    default: return "attnforge::cuda::Bf16";
+  }
+}
 
 }  // namespace
 
@@ -27,8 +42,9 @@ std::string KernelKey::name() const {
     return fmt::format("prefill{}_d{}_{}{}{}_{}", variant_part, head_dim_qk, short_name(q_dtype), rope ? "_rope" : "",
                        tile_part, arch_short);
   }
-  return fmt::format("decode{}_d{}_{}_st{}_{}", variant_part, head_dim_qk, short_name(q_dtype), decode_tile.stages,
-                     arch_short);
+  const std::string kv_part = kv_dtype == q_dtype ? "" : std::string("_") + short_name(kv_dtype);
+  return fmt::format("decode{}_d{}_{}{}_st{}_{}", variant_part, head_dim_qk, short_name(q_dtype), kv_part,
+                     decode_tile.stages, arch_short);
 }
 
 void KernelKey::validate() const {
@@ -42,20 +58,25 @@ void KernelKey::validate() const {
   if (q_dtype != DType::kBFloat16 && q_dtype != DType::kFloat16)
     detail::fail(ErrorKind::kUnsupported, "q_dtype {}: the {} kernel takes {{bfloat16, float16}}", to_string(q_dtype),
                  kernel);
-  if (kv_dtype != q_dtype)
+  const bool fp8 = cuda::is_fp8(kv_dtype);
+  if (family == KernelFamily::kDecode && kv_dtype != q_dtype && !fp8)
     detail::fail(ErrorKind::kUnsupported,
-                 "kv_dtype {} with q_dtype {}: the {} kernel needs K/V in the dtype of Q (fp8 K/V is not built "
-                 "for CUDA yet)",
-                 to_string(kv_dtype), to_string(q_dtype), kernel);
+                 "kv_dtype {} with q_dtype {}: the decode kernel takes K/V in {{{}, float8_e4m3, float8_e5m2}}",
+                 to_string(kv_dtype), to_string(q_dtype), to_string(q_dtype));
+  if (family == KernelFamily::kPrefill && kv_dtype != q_dtype)
+    detail::fail(ErrorKind::kUnsupported,
+                 "kv_dtype {} with q_dtype {}: the prefill kernel takes K/V in {{{}}} (fp8 K/V is not built for CUDA "
+                 "prefill yet)",
+                 to_string(kv_dtype), to_string(q_dtype), to_string(q_dtype));
   if (head_dim_qk != head_dim_vo || (head_dim_qk != 64 && head_dim_qk != 128 && head_dim_qk != 256))
     detail::fail(ErrorKind::kUnsupported,
                  "head_dim {}/{}: the {} kernel takes equal Q/K and V head dims in {{64, 128, 256}}", head_dim_qk,
                  head_dim_vo, kernel);
   // The other family's fields stay at their defaults, so that one kernel has one key and one name.
   if (family == KernelFamily::kDecode) {
-    if (decode_tile.stages != 2 && decode_tile.stages != 3)
-      detail::fail(ErrorKind::kUnsupported, "decode_tile.stages {}: the decode kernel takes {{2, 3}}",
-                   decode_tile.stages);
+    if (decode_tile.stages < 2 || decode_tile.stages > (fp8 ? 4 : 3))
+      detail::fail(ErrorKind::kUnsupported, "decode_tile.stages {}: the decode kernel takes {{2, 3}}{}",
+                   decode_tile.stages, fp8 ? ", and {2, 3, 4} with fp8 K/V" : " ({2, 3, 4} with fp8 K/V)");
     if (rope)
       detail::fail(ErrorKind::kUnsupported,
                    "rope true: the decode kernel reads RoPE from params at run time; a decode key takes {{false}}");
@@ -84,8 +105,8 @@ KernelSource KernelKey::render() const {
   const std::string traits =
       prefill ? fmt::format("attnforge::cuda::PrefillTraits<{}, {}, {}, {}>", head_dim_qk, elem_type(q_dtype), rope,
                             prefill_stage_tokens())
-              : fmt::format("attnforge::cuda::DecodeTraits<{}, {}, {}>", head_dim_qk, elem_type(q_dtype),
-                            decode_tile.stages);
+              : fmt::format("attnforge::cuda::DecodeTraits<{}, {}, {}, {}>", head_dim_qk, elem_type(q_dtype),
+                            decode_tile.stages, elem_type(kv_dtype));
   const std::string kernel = fmt::format("attnforge::cuda::{}_kernel<{}>", to_string(family), traits);
   s.entry_points = {"&" + kernel, "&attnforge::cuda::merge_kernel"};
   const std::string tile = prefill
@@ -106,7 +127,8 @@ int32_t KernelKey::prefill_stage_tokens() const {
 }
 
 std::string KernelKey::warmup_command() const {
-  return fmt::format("attnforge warmup --arch {} --head-dim {} --dtype {}", arch, head_dim_qk, short_name(q_dtype));
+  return fmt::format("attnforge warmup --arch {} --head-dim {} --dtype {} --kv-dtype {}", arch, head_dim_qk,
+                     short_name(q_dtype), kv_dtype == q_dtype ? "same" : short_name(kv_dtype));
 }
 
 namespace {
@@ -123,6 +145,10 @@ KernelKey key_of(KernelFamily family, const AttentionShape& shape, const std::st
 }
 
 }  // namespace
+
+KernelKey decode_key(const AttentionShape& shape, const std::string& arch) {
+  return decode_key(shape, arch, default_decode_tile(shape.kv_dtype));
+}
 
 KernelKey decode_key(const AttentionShape& shape, const std::string& arch, DecodeTile tile) {
   KernelKey k = key_of(KernelFamily::kDecode, shape, arch);

@@ -22,9 +22,12 @@ const char* to_string(KernelFamily family);  // "decode", "prefill"
 // The tile configuration of a decode kernel: 4 warps of 16 tokens per 64-token K/V tile over 16 query rows are
 // fixed by the kernel's design; the depth of the cp.async pipeline is free.
 struct DecodeTile {
-  int32_t stages = cuda::kDefaultDecodeStages;  // 2 or 3
+  int32_t stages = cuda::kDefaultDecodeStages;  // 2 or 3; fp8 K/V: 2, 3 or 4
   bool operator==(const DecodeTile&) const = default;
 };
+
+// The tile configuration run() launches for K/V of `kv_dtype` (decode_defaults.cuh).
+inline DecodeTile default_decode_tile(DType kv_dtype) { return {cuda::default_decode_stages(kv_dtype)}; }
 
 // The tile configuration of a prefill kernel. Rows per CTA, warps and the softmax step (K/V tokens per step) follow
 // from the head dim (backends/cuda/prefill/tile_config.cuh: what fits the register file); free is how many steps
@@ -48,14 +51,15 @@ struct KernelKey {
   // Prefill only: RoPE fused into the kernel (PrefillTraits' kRope, its own instantiation so the common case does
   // not carry its registers). The decode kernel reads RoPE from params at run time, so a decode key keeps false.
   bool rope = false;
-  DecodeTile decode_tile;    // decode keys; a prefill key leaves it at its default
+  DecodeTile decode_tile;    // decode keys; a prefill key leaves it at DecodeTile{}
   PrefillTile prefill_tile;  // prefill keys; a decode key leaves it at its default
   std::string arch = "sm_90a";  // arch_for_device()
 
   bool operator==(const KernelKey&) const = default;
 
-  // "decode_d128_bf16_st2_sm90a", "prefill_d128_bf16_rope_sm90a" (a prefill tile other than the default adds
-  // "_stage64", its K/V tokens per stage; a custom variant adds its name). Unique among valid keys.
+  // "decode_d128_bf16_st2_sm90a", "prefill_d128_bf16_rope_sm90a"; fp8 K/V adds its format
+  // ("decode_d128_bf16_e4m3_st4_sm90a"), a prefill tile other than the default "_stage64" (its K/V tokens per
+  // stage), a custom variant its name. Unique among valid keys.
   std::string name() const;
   // Throws kUnsupported naming the field, its value and what is accepted.
   void validate() const;
@@ -71,8 +75,10 @@ struct KernelKey {
 constexpr int kAttentionEntry = 0;
 constexpr int kMergeEntry = 1;
 
-// The decode key for an attention shape on `arch`; throws kUnsupported when no decode kernel serves it.
-KernelKey decode_key(const AttentionShape& shape, const std::string& arch, DecodeTile tile = {});
+// The decode key for an attention shape on `arch` (with the tile run() launches, or `tile`); throws kUnsupported
+// when no decode kernel serves it.
+KernelKey decode_key(const AttentionShape& shape, const std::string& arch);
+KernelKey decode_key(const AttentionShape& shape, const std::string& arch, DecodeTile tile);
 // The prefill key for an attention shape on `arch`, with or without RoPE fused; throws kUnsupported when no prefill
 // kernel serves it.
 KernelKey prefill_key(const AttentionShape& shape, const std::string& arch, bool rope, PrefillTile tile = {});

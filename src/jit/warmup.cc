@@ -35,21 +35,25 @@ std::vector<AttentionConfig> default_warmup_configs() {
       {14, 2, 64},   // Qwen2.5 0.5B
       {16, 8, 256},  // Gemma-style head_dim 256
   };
+  // K/V in the dtype of Q or, for decode, an fp8 cache (e4m3fn or e5m2, with per-tensor scales). RoPE fused or not
+  // is a key of the prefill kernel (a template switch) and a run-time value of decode's.
   std::vector<AttentionConfig> out;
+  auto add = [&](const Model& m, PlanKind kind, DType t, DType kv, bool rope) {
+    for (int32_t page : {1, 16}) {
+      AttentionConfig c;
+      c.device = Device::cuda(0);
+      c.kind = kind;
+      c.shape = {m.qo_heads, m.kv_heads, m.head_dim, m.head_dim, t, kv, t};
+      c.page_size = page;
+      c.rope = rope;
+      out.push_back(c);
+    }
+  };
   for (const Model& m : kModels)
-    for (PlanKind kind : {PlanKind::kDecode, PlanKind::kPrefill})
-      // RoPE fused or not is a key of the prefill kernel (a template switch) and a run-time value of decode's.
-      for (bool rope : kind == PlanKind::kPrefill ? std::vector<bool>{false, true} : std::vector<bool>{false})
-        for (DType t : {DType::kBFloat16, DType::kFloat16})
-          for (int32_t page : {1, 16}) {
-            AttentionConfig c;
-            c.device = Device::cuda(0);
-            c.kind = kind;
-            c.shape = {m.qo_heads, m.kv_heads, m.head_dim, m.head_dim, t, t, t};
-            c.page_size = page;
-            c.rope = rope;
-            out.push_back(c);
-          }
+    for (DType t : {DType::kBFloat16, DType::kFloat16}) {
+      for (DType kv : {t, DType::kFloat8E4M3, DType::kFloat8E5M2}) add(m, PlanKind::kDecode, t, kv, false);
+      for (bool rope : {false, true}) add(m, PlanKind::kPrefill, t, t, rope);
+    }
   return out;
 }
 

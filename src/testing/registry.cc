@@ -102,6 +102,46 @@ std::vector<CaseSpec> registry_cases(bool quick) {
   return v;
 }
 
+std::vector<CaseSpec> fp8_decode_cases() {
+  auto fp8 = [](DType kv, DType q, int32_t head_dim, int32_t qo_heads, int32_t kv_heads, std::vector<int32_t> kv_lens,
+                int32_t page_size) {
+    CaseSpec s = decode(std::move(kv_lens), page_size);
+    s.kv_dtype = kv;
+    s.q_dtype = s.o_dtype = q;
+    s.head_dim_qk = head_dim;
+    s.num_qo_heads = qo_heads, s.num_kv_heads = kv_heads;
+    s.k_scale = kv == DType::kFloat8E4M3 ? 0.5f : 2.f;
+    s.v_scale = kv == DType::kFloat8E4M3 ? 0.25f : 0.5f;
+    return s;
+  };
+  constexpr DType kE4M3 = DType::kFloat8E4M3, kE5M2 = DType::kFloat8E5M2;
+  constexpr DType kBf16 = DType::kBFloat16, kF16 = DType::kFloat16;
+  std::vector<CaseSpec> v;
+  v.push_back(fp8(kE4M3, kBf16, 128, 16, 4, {1, 17, 0, 97, 513, 1000}, 16));
+  v.push_back(with(fp8(kE5M2, kBf16, 128, 16, 4, {300, 5, 0, 64}, 1), [](CaseSpec& s) { s.layout = KVLayout::kHND; }));
+  v.push_back(with(fp8(kE4M3, kF16, 64, 6, 2, {33, 200, 5}, 16), [](CaseSpec& s) {
+    s.layout = KVLayout::kHND, s.format = KVFormat::kBlockTable;
+  }));
+  v.push_back(with(fp8(kE5M2, kF16, 256, 7, 1, {40, 129}, 16), [](CaseSpec& s) { s.o_dtype = DType::kFloat32; }));
+  v.push_back(with(fp8(kE4M3, kBf16, 128, 16, 4, {40, 97, 130}, 16), [](CaseSpec& s) {
+    s.qo_lens = {2, 4, 8}, s.options.causal = true;
+  }));
+  v.push_back(with(fp8(kE5M2, kBf16, 64, 8, 8, {65, 0, 300}, 1), [](CaseSpec& s) { s.format = KVFormat::kRagged; }));
+  v.push_back(with(fp8(kE4M3, kBf16, 128, 12, 4, {2000, 1, 0, 777}, 3), [](CaseSpec& s) { s.plan.num_workers = 64; }));
+  v.push_back(with(fp8(kE4M3, kF16, 128, 16, 4, {300, 90}, 16), [](CaseSpec& s) {
+    s.options.sinks = s.options.alibi = true, s.options.soft_cap = 5.f, s.options.window_left = 64;
+  }));
+  v.push_back(with(fp8(kE5M2, kF16, 128, 8, 2, {130, 41}, 1), [](CaseSpec& s) {
+    s.qo_lens = {3, 1}, s.options.custom_mask = true;
+  }));
+  v.push_back(with(fp8(kE4M3, kBf16, 256, 8, 2, {1500, 33}, 16), [](CaseSpec& s) {
+    s.plan.deterministic = true, s.plan.fixed_split_size = 256, s.combined_kv = true;
+  }));
+  uint64_t seed = 5000;
+  for (CaseSpec& s : v) s.seed = seed++;
+  return v;
+}
+
 CaseSpec random_spec(uint64_t seed) {
   std::mt19937_64 rng(seed);
   auto pick = [&rng](auto... xs) {

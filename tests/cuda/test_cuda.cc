@@ -10,6 +10,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <tuple>
 
 #include "attnforge/jit.h"
 #include "testing/compare.h"
@@ -82,17 +83,29 @@ TEST(CudaCoverage, ListsExcludedCases) {
   EXPECT_GT(n, cases.size() / 3);
 }
 
+// A serving-sized decode batch: 32 query heads over 8 KV heads, head_dim 128, bf16.
+CaseSpec serving_decode(int32_t batch, int32_t kv, int32_t page) {
+  CaseSpec s;
+  s.kind = PlanKind::kDecode;
+  s.num_qo_heads = 32, s.num_kv_heads = 8, s.head_dim_qk = 128, s.page_size = page;
+  s.qo_lens.assign(batch, 1);
+  s.kv_lens.assign(batch, kv);
+  s.spare_pages = 17;
+  return s;
+}
+
+// Runs each spec (seeds from `seed` on) with rows sampled for the float64 reference.
+void run_sampled(std::vector<CaseSpec> specs, uint64_t seed) {
+  for (CaseSpec& s : specs) {
+    s.seed = seed++;
+    const std::string error = run_and_check(s, 24);
+    EXPECT_TRUE(error.empty()) << error;
+  }
+}
+
 // Serving-sized batches; rows sampled for the float64 reference.
 TEST(CudaLarge, ServingShapes) {
-  auto base = [](int32_t batch, int32_t kv, int32_t page) {
-    CaseSpec s;
-    s.kind = PlanKind::kDecode;
-    s.num_qo_heads = 32, s.num_kv_heads = 8, s.head_dim_qk = 128, s.page_size = page;
-    s.qo_lens.assign(batch, 1);
-    s.kv_lens.assign(batch, kv);
-    s.spare_pages = 17;
-    return s;
-  };
+  const auto base = serving_decode;
   std::vector<CaseSpec> specs = {base(1, 32768, 16), base(16, 4096, 16), base(8, 3001, 1), base(4, 5000, 64)};
   CaseSpec zipf = base(16, 0, 16);
   std::mt19937 rng(7);
@@ -119,12 +132,71 @@ TEST(CudaLarge, ServingShapes) {
   d64.head_dim_qk = 64, d256.head_dim_qk = 256;
   specs.push_back(d64);
   specs.push_back(d256);
-  uint64_t seed = 77;
-  for (CaseSpec& s : specs) {
-    s.seed = seed++;
-    const std::string error = run_and_check(s, 24);
+  run_sampled(specs, 77);
+}
+
+// fp8 K/V decode (e4m3fn, e5m2) against the float64 reference: every path of the fp8 kernel (testing/registry.h),
+// then serving-sized batches with sampled rows. Fp8Cases.ToleranceRejectsWronglyDecodedKV (CPU tests) shows that
+// these tolerances reject the ways an fp8 decode can go wrong.
+TEST(CudaFp8, DecodeCases) {
+  for (const CaseSpec& s : fp8_decode_cases()) {
+    const Support sup = supports(cuda_config(s));
+    ASSERT_TRUE(sup.ok) << sup.reason << "\n  case: " << s.describe();
+    const std::string error = run_and_check(s);
     EXPECT_TRUE(error.empty()) << error;
   }
+}
+
+TEST(CudaFp8, ServingShapes) {
+  auto base = [](DType kv, int32_t batch, int32_t len, int32_t page) {
+    CaseSpec s = serving_decode(batch, len, page);
+    s.kv_dtype = kv;
+    s.k_scale = 0.5f, s.v_scale = 0.25f;
+    return s;
+  };
+  std::vector<CaseSpec> specs = {base(DType::kFloat8E4M3, 16, 4096, 16), base(DType::kFloat8E5M2, 1, 32768, 16),
+                                 base(DType::kFloat8E4M3, 8, 3001, 1)};
+  CaseSpec hnd = base(DType::kFloat8E5M2, 8, 4000, 16);
+  hnd.layout = KVLayout::kHND;
+  hnd.format = KVFormat::kBlockTable;
+  hnd.q_dtype = hnd.o_dtype = DType::kFloat16;
+  specs.push_back(hnd);
+  CaseSpec spec4 = base(DType::kFloat8E4M3, 32, 2048, 16);
+  spec4.qo_lens.assign(32, 4);
+  spec4.options.causal = true;
+  specs.push_back(spec4);
+  run_sampled(specs, 91);
+}
+
+// Small fp8 batches through every part of the fp8 kernel (split KV with merges over page size 3 and an empty
+// request; ragged e5m2 at head_dim 64, whose 64-byte rows take the other swizzle); compute-sanitizer runs these.
+TEST(CudaFp8Small, SplitPagedAndRagged) {
+  const std::vector<CaseSpec> cases = fp8_decode_cases();
+  for (const CaseSpec& s : {cases[6], cases[5]}) {
+    ASSERT_TRUE(s.plan.num_workers == 64 || s.format == KVFormat::kRagged) << "fp8_decode_cases() changed order";
+    const std::string error = run_and_check(s);
+    EXPECT_TRUE(error.empty()) << error;
+  }
+}
+
+// fp8 K/V is built for decode only, without fused RoPE: both refusals name the value and what is accepted.
+TEST(CudaFp8, PrefillAndFusedRopeAreRefused) {
+  CaseSpec s = fp8_decode_cases()[0];
+  s.kind = PlanKind::kPrefill;
+  Support sup = supports(cuda_config(s));
+  EXPECT_FALSE(sup.ok);
+  EXPECT_NE(sup.reason.find("kv_dtype float8_e4m3"), std::string::npos) << sup.reason;
+  EXPECT_NE(sup.reason.find("prefill kernels take K/V in {bfloat16}"), std::string::npos) << sup.reason;
+  s = fp8_decode_cases()[0];
+  s.options.rope = true;
+  sup = supports(cuda_config(s));
+  EXPECT_FALSE(sup.ok);
+  EXPECT_NE(sup.reason.find("fused RoPE"), std::string::npos) << sup.reason;
+  s = fp8_decode_cases()[0];
+  s.kv_dtype = DType::kFloat16;  // bf16 Q with fp16 K/V
+  sup = supports(cuda_config(s));
+  EXPECT_FALSE(sup.ok);
+  EXPECT_NE(sup.reason.find("{bfloat16, float8_e4m3, float8_e5m2}"), std::string::npos) << sup.reason;
 }
 
 // Prefill at serving sizes: a 32K causal prefill, a batch of 64 ragged requests, append to a paged prefix with
@@ -188,18 +260,25 @@ TEST(CudaFuzz, RandomBatches) {
   int ran = 0;
   for (uint64_t seed = first; seed < first + iters; ++seed) {
     CaseSpec s = random_spec(seed);
-    // Fold the draw onto the CUDA subset: decode or prefill, 16-bit Q = K/V, head dims 64/128/256.
+    // Fold the draw onto the CUDA subset: decode or prefill, 16-bit Q, K/V in Q's dtype (decode without fused
+    // RoPE: fp8 K/V too, with 16-byte aligned strides), head dims 64/128/256.
     std::mt19937 rng(seed);
     if (s.kind == PlanKind::kDecode)
       for (int32_t& q : s.qo_lens) q = std::min(q, 8);
     if (s.options.causal)
       for (size_t i = 0; i < s.qo_lens.size(); ++i) s.kv_lens[i] = std::max(s.kv_lens[i], s.qo_lens[i]);
     if (s.q_dtype == DType::kFloat32) s.q_dtype = DType::kBFloat16;
-    s.kv_dtype = s.q_dtype;
+    const bool fp8 = s.kind == PlanKind::kDecode && !s.options.rope &&
+                     (s.kv_dtype == DType::kFloat8E4M3 || s.kv_dtype == DType::kFloat8E5M2);
+    if (fp8) {
+      s.padded_strides = false;  // 8-element padding is 8 bytes of fp8
+    } else {
+      s.kv_dtype = s.q_dtype;
+      s.k_scale = s.v_scale = 1.f;
+    }
     if (s.o_dtype != DType::kFloat32) s.o_dtype = s.q_dtype;
     s.head_dim_qk = std::vector<int32_t>{64, 128, 256}[rng() % 3];
     s.head_dim_vo = 0;
-    s.k_scale = s.v_scale = 1.f;
     if (!supports(cuda_config(s)).ok) continue;
     ++ran;
     std::string error;
@@ -412,7 +491,8 @@ void expect_nvrtc_bits_of_nvcc(const std::vector<CaseSpec>& specs) {
 }
 
 // A case of the NVRTC-vs-nvcc comparison: 16 query heads over 4 KV heads, splits at fixed positions (the plan
-// cannot differ between the builds even if their occupancy did; long requests are split, so the merge kernel runs).
+// cannot differ between the builds even if their occupancy did). Long requests are split: decode merges the pieces
+// in its kernel, prefill with the merge kernel.
 CaseSpec jit_case(PlanKind kind, int32_t head_dim, DType t, std::vector<int32_t> qo, std::vector<int32_t> kv,
                   uint64_t seed) {
   CaseSpec s;
@@ -442,14 +522,27 @@ CaseSpec with_every_option(CaseSpec s, uint64_t seed) {
 }
 
 // The NVRTC-compiled kernels against the nvcc-compiled ones: the same source through the same code generator, so
-// the same bits, on cases that cover every decode kernel (head_dim 64/128/256, fp16/bf16), split KV with the
-// merge kernel, page size 1, grouped heads with several query tokens, and the per-element options.
+// the same bits, on cases that cover every decode kernel (head_dim 64/128/256, fp16/bf16, K/V 16-bit and fp8),
+// split KV merged in the kernel, page size 1, grouped heads with several query tokens, and the per-element options.
 TEST(CudaJit, NvrtcKernelsGiveTheBitsOfNvccKernels) {
   std::vector<CaseSpec> specs;
   uint64_t seed = 300;
   for (int32_t d : {64, 128, 256})
     for (DType t : {DType::kFloat16, DType::kBFloat16})
       specs.push_back(jit_case(PlanKind::kDecode, d, t, {1, 1, 1, 1}, {9000, 17, 2048, 300}, seed++));
+  // fp8 K/V: both formats, both operand types, every head dim.
+  for (const auto& [d, q, kv] : {std::tuple{128, DType::kBFloat16, DType::kFloat8E4M3},
+                                 std::tuple{64, DType::kFloat16, DType::kFloat8E5M2},
+                                 std::tuple{256, DType::kFloat16, DType::kFloat8E4M3},
+                                 std::tuple{128, DType::kBFloat16, DType::kFloat8E5M2}}) {
+    CaseSpec s = specs[0];
+    s.head_dim_qk = d;
+    s.q_dtype = s.o_dtype = q;
+    s.kv_dtype = kv;
+    s.k_scale = 0.5f, s.v_scale = 2.f;
+    s.seed = seed++;
+    specs.push_back(s);
+  }
   CaseSpec opts = with_every_option(specs[3], seed++);  // head_dim 128 bf16
   opts.qo_lens = {4, 2, 1, 3};
   specs.push_back(opts);

@@ -26,6 +26,7 @@ struct WarmupCommandOptions {
   std::vector<std::string> archs;  // empty: the visible GPUs' (or sm_90a for --bench without a GPU)
   std::vector<int32_t> head_dims;  // empty: the default set's (64, 128, 256)
   std::vector<std::string> dtypes;  // fp16, bf16; empty: both
+  std::vector<std::string> kv_dtypes;  // same (K/V in the dtype of Q), e4m3, e5m2; empty: all
   std::vector<int32_t> page_sizes;  // empty: 1 and 16
   int32_t threads = 0;              // 0: every core
   std::string cache_dir;            // empty: ATTNFORGE_CACHE_DIR or the default

@@ -40,6 +40,8 @@ int main(int argc, char** argv) {
   warmup->add_option("--head-dim", warm.head_dims, "Head dims to warm (default: 64 128 256)");
   warmup->add_option("--dtype", warm.dtypes, "Q/K/V dtypes to warm (default: fp16 bf16)")
       ->check(CLI::IsMember({"fp16", "bf16"}));
+  warmup->add_option("--kv-dtype", warm.kv_dtypes, "K/V dtypes to warm: same (as Q), e4m3, e5m2 (default: all)")
+      ->check(CLI::IsMember({"same", "e4m3", "e5m2"}));
   warmup->add_option("--page-size", warm.page_sizes, "Page sizes (default: 1 16; a run-time value: kernels are shared)");
   warmup->add_option("--threads", warm.threads, "Compile threads (default: every core)")->check(CLI::Range(1, 4096));
   warmup->add_option("--cache-dir", warm.cache_dir, "Kernel cache directory (default: ATTNFORGE_CACHE_DIR or "

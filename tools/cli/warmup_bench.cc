@@ -144,7 +144,9 @@ int run_warmup_bench(const WarmupCommandOptions& o) {
   for (const AttentionConfig& c : jit::default_warmup_configs())
     if (c.shape.num_qo_heads == 32 && c.shape.num_kv_heads == 8 && c.shape.head_dim_qk == 128) llama.push_back(c);
   const jit::WarmupReport one =
-      cold_warmup("the default set for Llama 3 8B (decode and prefill, fp16/bf16, pages 1/16)", llama, "llama");
+      cold_warmup("the default set for Llama 3 8B (decode with K/V 16-bit, e4m3, e5m2; prefill with and without RoPE; "
+                  "fp16/bf16; pages 1/16)",
+                  llama, "llama");
   fmt::print("; target <= 20 s: {}\n", verdict(one.seconds <= 20));
   const jit::WarmupReport all = cold_warmup("the whole default set", jit::default_warmup_configs(), "all");
   fmt::print("\n");

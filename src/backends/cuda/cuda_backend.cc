@@ -12,6 +12,7 @@
 #include "backends/backend.h"
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/decode/decode.h"
+#include "backends/cuda/decode/decode_defaults.cuh"
 #include "backends/cuda/jit_kernels.h"
 #include "backends/cuda/prefill/prefill.h"
 #include "core/check.h"
@@ -41,10 +42,10 @@ void expect_aligned(const void* ptr, const char* name) {
   if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
     fail_arg("{}: address {} is not 16-byte aligned; the CUDA kernels read rows in 16-byte vectors", name, ptr);
 }
-void expect_stride(int64_t stride, const char* name) {
-  if (stride % 8 != 0)
-    fail_arg("{}: stride {} elements; the CUDA kernels need strides that are multiples of 8 elements (16 bytes)",
-             name, stride);
+void expect_stride(int64_t stride, int32_t elem_bytes, const char* name) {
+  if (stride * elem_bytes % 16 != 0)
+    fail_arg("{}: stride {} elements of {} bytes; the CUDA kernels need strides that are multiples of 16 bytes", name,
+             stride, elem_bytes);
 }
 
 class CudaBackend final : public Backend {
@@ -68,10 +69,21 @@ class CudaBackend final : public Backend {
     const char* kernels = c.kind == PlanKind::kDecode ? "decode" : "prefill";
     if (s.q_dtype != DType::kBFloat16 && s.q_dtype != DType::kFloat16)
       return no(fmt::format("q_dtype {}: the CUDA {} kernels take {{bfloat16, float16}}", to_string(s.q_dtype), kernels));
-    if (s.kv_dtype != s.q_dtype)
-      return no(fmt::format("kv_dtype {} with q_dtype {}: the CUDA {} kernels need K/V in the dtype of Q "
-                            "(fp8 K/V is not built yet)",
-                            to_string(s.kv_dtype), to_string(s.q_dtype), kernels));
+    // fp8 K/V (per-tensor k_scale / v_scale) is built for decode: K/V tiles stay fp8 in shared memory and are
+    // converted next to the tensor cores. Prefill takes K/V in the dtype of Q.
+    const bool fp8_kv = cuda::is_fp8(s.kv_dtype);
+    if (c.kind == PlanKind::kDecode && s.kv_dtype != s.q_dtype && !fp8_kv)
+      return no(fmt::format("kv_dtype {} with q_dtype {}: the CUDA decode kernels take K/V in {{{}, float8_e4m3, "
+                            "float8_e5m2}}",
+                            to_string(s.kv_dtype), to_string(s.q_dtype), to_string(s.q_dtype)));
+    if (c.kind == PlanKind::kPrefill && s.kv_dtype != s.q_dtype)
+      return no(fmt::format("kv_dtype {} with q_dtype {}: the CUDA prefill kernels take K/V in {{{}}} (fp8 K/V runs "
+                            "in CUDA decode and on the CPU backend)",
+                            to_string(s.kv_dtype), to_string(s.q_dtype), to_string(s.q_dtype)));
+    if (fp8_kv && c.rope)
+      return no(fmt::format("kv_dtype {} with fused RoPE: the CUDA decode kernels do not rotate fp8 K (apply RoPE "
+                            "before K is quantized, or run on the CPU backend)",
+                            to_string(s.kv_dtype)));
     if (s.o_dtype != s.q_dtype && s.o_dtype != DType::kFloat32)
       return no(fmt::format("o_dtype {}: the CUDA {} kernels write {{{}, float32}}", to_string(s.o_dtype), kernels,
                             to_string(s.q_dtype)));
@@ -90,7 +102,7 @@ class CudaBackend final : public Backend {
       return sms_ * jit_kernels().ctas_per_sm(s, kind);
     }
     if (kind == PlanKind::kPrefill) return sms_ * cuda::prefill_ctas_per_sm(s.head_dim_qk);
-    return sms_ * cuda::decode_ctas_per_sm(s.head_dim_qk);
+    return sms_ * cuda::decode_ctas_per_sm(s.head_dim_qk, s.kv_dtype);
   }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).
   int32_t target_tile_rows(const AttentionShape& shape) const override {
@@ -108,17 +120,18 @@ class CudaBackend final : public Backend {
 
   void attention(const AttentionParams& p, PlanKind kind, Stream stream) override {
     expect_aligned(p.q, "q");
-    expect_stride(p.q_stride_token, "q (token)");
-    expect_stride(p.q_stride_head, "q (head)");
+    const int32_t qb = dtype_bytes(p.q_dtype), kvb = dtype_bytes(p.kv.dtype);
+    expect_stride(p.q_stride_token, qb, "q (token)");
+    expect_stride(p.q_stride_head, qb, "q (head)");
     expect_aligned(p.kv.k, "kv.k");
     expect_aligned(p.kv.v, "kv.v");
-    expect_stride(p.kv.k_stride_page, "kv.k (page)");
-    expect_stride(p.kv.k_stride_head, "kv.k (head)");
-    expect_stride(p.kv.v_stride_page, "kv.v (page)");
-    expect_stride(p.kv.v_stride_head, "kv.v (head)");
+    expect_stride(p.kv.k_stride_page, kvb, "kv.k (page)");
+    expect_stride(p.kv.k_stride_head, kvb, "kv.k (head)");
+    expect_stride(p.kv.v_stride_page, kvb, "kv.v (page)");
+    expect_stride(p.kv.v_stride_head, kvb, "kv.v (head)");
     if (p.kv.format != KVFormat::kRagged) {
-      expect_stride(p.kv.k_stride_token, "kv.k (token)");
-      expect_stride(p.kv.v_stride_token, "kv.v (token)");
+      expect_stride(p.kv.k_stride_token, kvb, "kv.k (token)");
+      expect_stride(p.kv.v_stride_token, kvb, "kv.v (token)");
     }
     DeviceGuard guard(device_);
     const auto cuda_stream = static_cast<cudaStream_t>(stream);

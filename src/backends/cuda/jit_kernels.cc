@@ -15,7 +15,7 @@ namespace {
 
 KernelAttributes attributes(const jit::KernelKey& key) {
   if (key.family == jit::KernelFamily::kPrefill) return prefill_attributes(key.head_dim_qk, key.prefill_stage_tokens());
-  return decode_attributes(key.head_dim_qk, key.decode_tile.stages);
+  return decode_attributes(key.head_dim_qk, key.kv_dtype, key.decode_tile.stages);
 }
 
 }  // namespace
@@ -67,11 +67,20 @@ const JitKernels::Kernels& JitKernels::kernels(const jit::KernelKey& key) {
 
 const JitKernels::Kernels& JitKernels::kernels_for(PlanKind kind, const AttentionShape& shape, bool rope) {
   const int dim_index = shape.head_dim_qk == 64 ? 0 : shape.head_dim_qk == 128 ? 1 : shape.head_dim_qk == 256 ? 2 : -1;
-  const bool indexed = dim_index >= 0 && shape.kv_dtype == shape.q_dtype &&
+  // The kernel variant: decode with K/V in Q's dtype, e4m3 or e5m2 (0-2); prefill without or with RoPE (3, 4).
+  const bool same_kv = shape.kv_dtype == shape.q_dtype;
+  int variant = -1;
+  if (kind == PlanKind::kPrefill)
+    variant = same_kv ? 3 + rope : -1;
+  else
+    variant = same_kv                                  ? 0
+              : shape.kv_dtype == DType::kFloat8E4M3 ? 1
+              : shape.kv_dtype == DType::kFloat8E5M2 ? 2
+                                                     : -1;
+  const bool indexed = dim_index >= 0 && variant >= 0 &&
                        (shape.q_dtype == DType::kFloat16 || shape.q_dtype == DType::kBFloat16);
   if (!indexed) return kernels(key_for(kind, shape, rope));  // throws kUnsupported naming what no kernel serves
-  const int family = kind == PlanKind::kPrefill ? 1 + rope : 0;  // decode reads RoPE from params
-  std::atomic<const Kernels*>& slot = by_shape_[family * 6 + dim_index * 2 + (shape.q_dtype == DType::kBFloat16)];
+  std::atomic<const Kernels*>& slot = by_shape_[(variant * 3 + dim_index) * 2 + (shape.q_dtype == DType::kBFloat16)];
   if (const Kernels* k = slot.load(std::memory_order_acquire)) return *k;
   const Kernels& k = kernels(key_for(kind, shape, rope));
   slot.store(&k, std::memory_order_release);

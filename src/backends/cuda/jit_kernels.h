@@ -43,15 +43,15 @@ class JitKernels {
   void run(const AttentionParams& p, PlanKind kind, cudaStream_t stream);
 
  private:
-  // run() finds the kernels of the shapes run() accepts (decode, prefill, prefill with RoPE x 3 head dims x 2
-  // dtypes) without a lock or a string.
+  // run() finds the kernels of the shapes run() accepts (decode with K/V in Q's dtype, e4m3 or e5m2, prefill,
+  // prefill with RoPE x 3 head dims x 2 Q dtypes) without a lock or a string.
   const Kernels& kernels_for(PlanKind kind, const AttentionShape& shape, bool rope);
 
   int device_;
   std::string arch_;
   std::mutex mutex_;
   std::map<std::string, Kernels> loaded_;  // by kernel name (unique per key)
-  std::array<std::atomic<const Kernels*>, 18> by_shape_{};
+  std::array<std::atomic<const Kernels*>, 30> by_shape_{};
 };
 
 // The launch configuration of a key's attention kernel for a batch (decode_launch_config, prefill_launch_config).

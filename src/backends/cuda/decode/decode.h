@@ -10,11 +10,11 @@
 
 namespace attnforge::cuda {
 
-KernelAttributes decode_attributes(int head_dim, int stages);
+KernelAttributes decode_attributes(int head_dim, DType kv_dtype, int stages);
 LaunchConfig decode_launch_config(const AttentionParams& p, int stages);
 
-// The nvcc-compiled kernels (the default tile configuration).
-int decode_ctas_per_sm(int head_dim);
+// The nvcc-compiled kernels (the default tile configuration, default_decode_stages(kv_dtype)).
+int decode_ctas_per_sm(int head_dim, DType kv_dtype);
 void run_decode(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace attnforge::cuda

@@ -4,21 +4,33 @@
 // are merged through shared memory at the end. K/V tiles stream through a cp.async pipeline, each row fetched
 // from its page with the shared KVParams address arithmetic. KV split over several items is merged by the last
 // CTA of each split to finish (merge_pieces), counted with one atomic per CTA. Self-contained for NVRTC.
+//
+// fp8 K/V (KV = E4M3 or E5M2) stream into shared memory as raw codes, half the bytes of a 16-bit tile, and are
+// converted to the operand type in registers, exactly (device/fp8.cuh), right after ldmatrix:
+//   K: an ldmatrix of fp8 rows gives each thread 4 consecutive head dims of one token; Q's head dims are
+//      permuted in shared memory to match (load_query_rows_permuted), so the B fragments need no shuffle.
+//   V: ldmatrix.trans of fp8 rows gives each thread 2 tokens x 2 adjacent head dims; one byte permute makes a
+//      B fragment of the even dim and one of the odd dim, so each 16-dim block runs as an n8 tile of its even
+//      dims and one of its odd dims, and the merge writes the output dims back in order.
+// Fused RoPE is not built for fp8 K/V (CudaBackend::check refuses it).
 #pragma once
 
 #include "attnforge/kernel/params.h"
 #include "attnforge/kernel/state.h"
 #include "attnforge/kernel/variant.h"
 #include "backends/cuda/decode/decode_defaults.cuh"
+#include "backends/cuda/device/fp8.cuh"
 #include "backends/cuda/device/ptx.cuh"
 #include "backends/cuda/device/tiles.cuh"
 
 namespace attnforge::cuda {
 
 // kStages_ is the tile configuration of the run-time compiler's key (jit/kernel_key.h); nvcc builds the default.
-template <int kHeadDim_, typename Elem_, int kStages_ = kDefaultDecodeStages>
+template <int kHeadDim_, typename Elem_, int kStages_ = kDefaultDecodeStages, typename KV_ = Elem_>
 struct DecodeTraits {
-  using Elem = Elem_;  // Bf16 or F16: Q and K/V element type, and the mma operand type
+  using Elem = Elem_;  // Bf16 or F16: Q element type, and the mma operand type
+  using KV = KV_;      // K/V storage: Elem, or E4M3 / E5M2 (fp8)
+  static constexpr bool kFp8 = KVStorage<KV>::kBytes == 1;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kThreads = 128;
   static constexpr int kWarps = kThreads / 32;
@@ -26,19 +38,23 @@ struct DecodeTraits {
   static constexpr int kTileTokens = 16 * kWarps;  // 16 tokens per warp per tile
   // Two stages by default: one tile in flight while the other is consumed. Shared memory (68 KB at head_dim 128) then
   // admits three CTAs per SM, whose twelve warps hide the latency that four warps alone could not (profiled:
-  // two 100 KB CTAs per SM left every scheduler idle 64% of cycles).
+  // two 100 KB CTAs per SM left every scheduler idle 64% of cycles). fp8 tiles are half the bytes: four stages
+  // (kDefaultDecodeStagesFp8) fit the same shared memory and keep twice the tokens in flight.
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocksPerSM = kHeadDim <= 128 ? 3 : 1;  // caps registers so three CTAs fit
-  static constexpr int kTileElems = kTileTokens * kHeadDim;
-  // Shared memory: Q, then K stages, then V stages (16-bit elements); the cross-warp merge reuses K/V.
-  static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * kStages * kTileElems);
+  static constexpr int kKVRowBytes = kHeadDim * KVStorage<KV>::kBytes;
+  static constexpr int kTileBytes = kTileTokens * kKVRowBytes;  // one K (or V) stage
+  static constexpr int kQBytes = 2 * kRows * kHeadDim;
   // Cross-warp merge buffer: per warp m and l of 16 rows, then 16 rows of kHeadDim + 8 floats (the padding
   // moves each row 8 banks, so the 8 rows a store instruction writes hit different banks).
   static constexpr int kMergeStride = kHeadDim + 8;
   static constexpr int kMergeBytes = kWarps * kRows * (kMergeStride + 2) * 4;
+  // Shared memory: Q (16-bit), then K stages, then V stages; the cross-warp merge reuses K/V (and extends them
+  // where a shallow fp8 pipeline is smaller than the merge buffer).
+  static constexpr int kKVBytes = 2 * kStages * kTileBytes;
+  static constexpr int kSmemBytes = kQBytes + (kKVBytes > kMergeBytes ? kKVBytes : kMergeBytes);
   static_assert(kStages >= 2, "one tile in flight while another is consumed");
-  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 64 && kHeadDim <= 256, "head_dim 64..256, multiple of 16");
-  static_assert(kMergeBytes <= 2 * 2 * kStages * kTileElems, "merge buffer must fit in the K/V stages");
+  static_assert(kHeadDim % 32 == 0 && kHeadDim >= 64 && kHeadDim <= 256, "head_dim 64..256, multiple of 32");
 };
 
 // Per-warp row states in shared memory (in the K/V stages once the main loop is done): m (log2 units) and l of
@@ -49,7 +65,7 @@ struct DecodeMergeSmem {
   float* m;  // [warps][16]
   float* l;  // [warps][16]
   float* o;  // [warps][16][kMergeStride]
-  __device__ __forceinline__ explicit DecodeMergeSmem(uint16_t* base)
+  __device__ __forceinline__ explicit DecodeMergeSmem(void* base)
       : m(reinterpret_cast<float*>(base)), l(m + Tr::kWarps * Tr::kRows), o(l + Tr::kWarps * Tr::kRows) {}
   __device__ __forceinline__ float* o_at(int warp, int r, int col) const {
     return o + (warp * Tr::kRows + r) * Tr::kMergeStride + col;
@@ -99,15 +115,15 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
 }
 
 // The merge of split KV for the rows of one CTA, run by the CTA that finished last, in two passes through L2
-// (ld.global.cg: other SMs wrote the partial states during this kernel). First the weights: each row's largest
-// piece LSE, then 2^(lse_k - max) per piece and row into shared memory, with their sum. Then the sums: each
-// thread owns float4 slices of the rows and adds up the pieces, eight loads in flight at a time, so a merge of
-// 49 pieces costs about a dozen L2 round trips rather than one per piece. Pieces are added in plan order,
+// (ld.global.cg: other SMs wrote the partial states during this kernel). First each row's largest piece LSE and
+// the sum of the weights 2^(lse_k - max); then the weights of up to 256 pieces into shared memory, and each
+// thread adds up the pieces for the float4 slices of the rows it owns, eight loads in flight at a time, so a
+// merge of 49 pieces costs about a dozen L2 round trips rather than one per piece. Pieces are added in plan order,
 // whichever CTA merges: the result does not depend on arrival order.
 // It reads its item afresh (rather than taking the values the main loop had) so that the compiler keeps none of
 // them alive through the main loop, whose registers are at the limit of three CTAs per SM.
 template <class Tr>
-__device__ __forceinline__ void merge_pieces(const AttentionParams& p, int item_index, uint16_t* smem_area) {
+__device__ __forceinline__ void merge_pieces(const AttentionParams& p, int item_index, void* smem_area) {
   const PlanView& plan = *p.plan;
   const int* raw = reinterpret_cast<const int*>(plan.items + item_index);
   WorkItem it;
@@ -129,7 +145,7 @@ __device__ __forceinline__ void merge_pieces(const AttentionParams& p, int item_
   float* s_red = reinterpret_cast<float*>(s_base + kChunk);        // [kLanesPerRow][R]
   float* s_max = s_red + kLanesPerRow * R;                         // [R]
   float* s_sum = s_max + R;                                        // [R]
-  static_assert(kChunk * R * 4 + kChunk * 8 + (kLanesPerRow + 2) * R * 4 <= 2 * 2 * Tr::kStages * Tr::kTileElems,
+  static_assert(kChunk * R * 4 + kChunk * 8 + (kLanesPerRow + 2) * R * 4 <= Tr::kSmemBytes - Tr::kQBytes,
                 "the merge's weights must fit in the K/V stages");
   const WorkItem* pieces = plan.items + mi.first_item;
   const int n = mi.num_items;
@@ -159,38 +175,12 @@ __device__ __forceinline__ void merge_pieces(const AttentionParams& p, int item_
   __syncthreads();
   m = s_max[wr];
   float l = 0.f;
-  float4 acc[(R * kSlices + Tr::kThreads - 1) / Tr::kThreads];
-  constexpr int kOwned = sizeof(acc) / sizeof(acc[0]);  // slices per thread (rows past `rows` stay idle)
-  for (int j = 0; j < kOwned; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int base = 0; base < n; base += kChunk) {
-    const int c = min(kChunk, n - base);
-    for (int k = wk; k < c; k += kLanesPerRow) {
-      float w = 0.f;
-      if (w_off >= 0) {
-        const float lse = lse_of(base + k);
-        w = lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);  // an empty piece adds nothing
-      }
-      s_w[k * R + wr] = w;
-      l += w;
-      if (wr == 0) s_base[k] = static_cast<int64_t>(pieces[base + k].partial_row) * heads;
+  if (w_off >= 0) {
+#pragma unroll 4
+    for (int k = wk; k < n; k += kLanesPerRow) {
+      const float lse = lse_of(k);
+      l += lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);  // an empty piece adds nothing
     }
-    __syncthreads();
-    for (int j = 0; j < kOwned; ++j) {
-      const int slice = tid + j * Tr::kThreads, r = slice / kSlices;
-      if (r >= rows) continue;
-      const QueryRow q = query_row(it, row0 + r, group, kv_head);
-      const int64_t off = static_cast<int64_t>(q.tok - it.qo_begin) * heads + q.head;
-      const float* o_base = plan.partial_o + off * D + 4 * (slice % kSlices);
-      float4 a = acc[j];
-#pragma unroll 8
-      for (int k = 0; k < c; ++k) {
-        const float w = s_w[k * R + r];
-        const float4 o = __ldcg(reinterpret_cast<const float4*>(o_base + s_base[k] * D));
-        a.x += w * o.x, a.y += w * o.y, a.z += w * o.z, a.w += w * o.w;
-      }
-      acc[j] = a;
-    }
-    __syncthreads();  // the next chunk overwrites the weights
   }
   s_red[wk * R + wr] = l;
   __syncthreads();
@@ -199,20 +189,57 @@ __device__ __forceinline__ void merge_pieces(const AttentionParams& p, int item_
     for (int j = 0; j < kLanesPerRow; ++j) x += s_red[j * R + tid];
     s_sum[tid] = x;
   }
-  __syncthreads();
-  for (int j = 0; j < kOwned; ++j) {
-    const int slice = tid + j * Tr::kThreads, r = slice / kSlices;
-    if (r >= rows) continue;
-    const QueryRow q = query_row(it, row0 + r, group, kv_head);
-    const float sum = s_sum[r];
-    float lse = sum > 0.f ? s_max[r] + log2f(sum) : -ATTNFORGE_INFINITY;
-    const float f = (sum > 0.f ? 1.f / sum : 0.f) * apply_sink(p.variant, q.head, &lse);
-    const int64_t out = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head + 4 * (slice % kSlices);
-    store_element(p.o, p.o_dtype, out, acc[j].x * f);
-    store_element(p.o, p.o_dtype, out + 1, acc[j].y * f);
-    store_element(p.o, p.o_dtype, out + 2, acc[j].z * f);
-    store_element(p.o, p.o_dtype, out + 3, acc[j].w * f);
-    if (p.lse && slice % kSlices == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
+  // Slices of the 16 rows per thread, summed four at a time (passes) to bound the registers they hold.
+  constexpr int kOwned = (R * kSlices + Tr::kThreads - 1) / Tr::kThreads;
+  constexpr int kPerPass = kOwned < 4 ? kOwned : 4;
+  for (int pass = 0; pass < kOwned; pass += kPerPass) {
+    float4 acc[kPerPass];
+    for (int j = 0; j < kPerPass; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int base = 0; base < n; base += kChunk) {
+      const int c = min(kChunk, n - base);
+      if (pass == 0 || n > kChunk) {  // the weights of this chunk (kept for later passes when there is one)
+        __syncthreads();              // earlier readers of s_w are done
+        for (int k = wk; k < c; k += kLanesPerRow) {
+          float w = 0.f;
+          if (w_off >= 0) {
+            const float lse = lse_of(base + k);
+            w = lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);
+          }
+          s_w[k * R + wr] = w;
+          if (wr == 0) s_base[k] = static_cast<int64_t>(pieces[base + k].partial_row) * heads;
+        }
+        __syncthreads();
+      }
+      for (int j = 0; j < kPerPass; ++j) {
+        const int slice = tid + (pass + j) * Tr::kThreads, r = slice / kSlices;
+        if (r >= rows) continue;
+        const QueryRow q = query_row(it, row0 + r, group, kv_head);
+        const int64_t off = static_cast<int64_t>(q.tok - it.qo_begin) * heads + q.head;
+        const float* o_base = plan.partial_o + off * D + 4 * (slice % kSlices);
+        float4 a = acc[j];
+#pragma unroll 8
+        for (int k = 0; k < c; ++k) {
+          const float w = s_w[k * R + r];
+          const float4 o = __ldcg(reinterpret_cast<const float4*>(o_base + s_base[k] * D));
+          a.x += w * o.x, a.y += w * o.y, a.z += w * o.z, a.w += w * o.w;
+        }
+        acc[j] = a;
+      }
+    }
+    for (int j = 0; j < kPerPass; ++j) {
+      const int slice = tid + (pass + j) * Tr::kThreads, r = slice / kSlices;
+      if (r >= rows) continue;
+      const QueryRow q = query_row(it, row0 + r, group, kv_head);
+      const float sum = s_sum[r];
+      float lse = sum > 0.f ? s_max[r] + log2f(sum) : -ATTNFORGE_INFINITY;
+      const float f = (sum > 0.f ? 1.f / sum : 0.f) * apply_sink(p.variant, q.head, &lse);
+      const int64_t out = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head + 4 * (slice % kSlices);
+      store_element(p.o, p.o_dtype, out, acc[j].x * f);
+      store_element(p.o, p.o_dtype, out + 1, acc[j].y * f);
+      store_element(p.o, p.o_dtype, out + 2, acc[j].z * f);
+      store_element(p.o, p.o_dtype, out + 3, acc[j].w * f);
+      if (p.lse && slice % kSlices == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
+    }
   }
 }
 
@@ -220,10 +247,11 @@ template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kernel(const AttentionParams p) {
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim;
+  constexpr bool kFp8 = Tr::kFp8;
   extern __shared__ __align__(128) uint16_t smem[];
   uint16_t* sQ = smem;
-  uint16_t* sK = sQ + Tr::kRows * D;
-  uint16_t* sV = sK + Tr::kStages * Tr::kTileElems;
+  uint8_t* sK = reinterpret_cast<uint8_t*>(smem) + Tr::kQBytes;
+  uint8_t* sV = sK + Tr::kStages * Tr::kTileBytes;
   __shared__ float s_freqs[D / 2];  // RoPE frequencies, when on
 
   const PlanView& plan = *p.plan;
@@ -236,7 +264,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
   const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
   const int num_items = plan.num_items;
-  const bool rope = vp.rope.enabled != 0;
+  const bool rope = !kFp8 && vp.rope.enabled != 0;
   if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
 
   for (int item_index = blockIdx.x; item_index < num_items; item_index += gridDim.x) {
@@ -249,8 +277,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
     const int qo_len = plan.qo_indptr[b + 1] - qo_start;
     const int kv_len = plan.kv_len[b];
 
-    // Q rows -> shared (zeros past `rows`); committed with the first K/V tile.
-    load_query_rows<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);
+    // Q rows -> shared (zeros past `rows`); committed with the first K/V tile (fp8: after the prologue below).
+    if constexpr (!kFp8) load_query_rows<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);
 
     // The two rows this thread holds in the mma fragments: lane / 4 and lane / 4 + 8.
     int r_tok[2], r_head[2], r_pos[2], r_lo[2], r_hi[2];
@@ -275,9 +303,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
     }
     const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + Tr::kTileTokens - 1) / Tr::kTileTokens : 0;
 
-    KVTileLoader<D, Tr::kTileTokens, Tr::kThreads> loader(kv, b, kv_head, range_lo, range_hi);
+    KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes> loader(kv, b, kv_head,
+                                                                                                  range_lo, range_hi);
     auto load_tile = [&](int t, int s) {
-      loader.load(t, sK + s * Tr::kTileElems, sV + s * Tr::kTileElems);
+      loader.load(t, sK + s * Tr::kTileBytes, sV + s * Tr::kTileBytes);
     };
     auto fetch_pages = [&](int t) { loader.fetch_pages(t); };
 
@@ -293,14 +322,20 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
       cp_async_commit();
     }
     if (Tr::kStages - 1 < num_tiles) fetch_pages(Tr::kStages - 1);
+    // fp8: Q through registers, its global latency behind the K/V copies already in flight; the main loop's first
+    // barrier publishes the stores.
+    if constexpr (kFp8)
+      load_query_rows_permuted<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);
     const int rope_offset = rope && vp.rope.pos_offset ? vp.rope.pos_offset[b] : 0;
-    if (rope) {  // Q rotated in place once it has landed (this drains the prologue's copies: RoPE only)
-      cp_async_wait<0>();
-      __syncthreads();
-      rope_rows<D, Tr::kThreads, Elem>(sQ, Tr::kRows, vp.rope, s_freqs, [&](int r) {
-        return r < rows ? query_position(query_row(it, row0 + r, group, kv_head).tok, qo_len, kv_len) + rope_offset
-                        : -1;
-      });
+    if constexpr (!kFp8) {
+      if (rope) {  // Q rotated in place once it has landed (this drains the prologue's copies: RoPE only)
+        cp_async_wait<0>();
+        __syncthreads();
+        rope_rows<D, Tr::kThreads, Elem>(sQ, Tr::kRows, vp.rope, s_freqs, [&](int r) {
+          return r < rows ? query_position(query_row(it, row0 + r, group, kv_head).tok, qo_len, kv_len) + rope_offset
+                          : -1;
+        });
+      }
     }
     for (int t = 0; t < num_tiles; ++t) {
       cp_async_wait<Tr::kStages - 2>();
@@ -311,25 +346,45 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
         if (next + 1 < num_tiles) fetch_pages(next + 1);
       }
       cp_async_commit();
-      if (rope) {  // K of this tile rotated in place; a second barrier before any warp reads it
-        const int first = range_lo + t * Tr::kTileTokens;
-        rope_rows<D, Tr::kThreads, Elem>(sK + (t % Tr::kStages) * Tr::kTileElems, Tr::kTileTokens, vp.rope, s_freqs,
-                                         [&](int r) { return first + r < range_hi ? first + r + rope_offset : -1; });
-        __syncthreads();
+      uint8_t* k_tile = sK + (t % Tr::kStages) * Tr::kTileBytes;
+      const uint8_t* v_tile = sV + (t % Tr::kStages) * Tr::kTileBytes;
+      if constexpr (!kFp8) {
+        if (rope) {  // K of this tile rotated in place; a second barrier before any warp reads it
+          const int first = range_lo + t * Tr::kTileTokens;
+          rope_rows<D, Tr::kThreads, Elem>(reinterpret_cast<uint16_t*>(k_tile), Tr::kTileTokens, vp.rope, s_freqs,
+                                           [&](int r) { return first + r < range_hi ? first + r + rope_offset : -1; });
+          __syncthreads();
+        }
       }
-
-      const uint16_t* k_tile = sK + (t % Tr::kStages) * Tr::kTileElems;
-      const uint16_t* v_tile = sV + (t % Tr::kStages) * Tr::kTileElems;
       const int tok0 = warp * 16;  // this warp's 16 tokens of the tile
 
       // S = Q K^T for 16 rows x 16 tokens.
       float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4], bk[4];
-        ldmatrix_x4(a, sQ + swizzle<D>(lane % 16, 2 * kk + lane / 16));
-        ldmatrix_x4(bk, k_tile + swizzle<D>(tok0 + (lane % 8) + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
-        mma_16816(s_acc[0], a, bk[0], bk[1], Elem{});
-        mma_16816(s_acc[1], a, bk[2], bk[3], Elem{});
+      if constexpr (kFp8) {
+        // One ldmatrix covers two 16-dim blocks: matrices (tokens 0-7, block kk), (8-15, kk), (0-7, kk+1),
+        // (8-15, kk+1); each register converts to the (b0, b1) pair of one n8 tile.
+        for (int kk = 0; kk < D / 16; kk += 2) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, k_tile + swizzle_bytes<Tr::kKVRowBytes>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2),
+                                                                  kk + lane / 16));
+          for (int h = 0; h < 2; ++h) {
+            uint32_t a[4], b0[2], b1[2];
+            ldmatrix_x4(a, sQ + swizzle<D>(lane % 16, 2 * (kk + h) + lane / 16));
+            fp8x4_to_pairs<typename Tr::KV>(kb[2 * h], b0, Elem{});
+            fp8x4_to_pairs<typename Tr::KV>(kb[2 * h + 1], b1, Elem{});
+            mma_16816(s_acc[0], a, b0[0], b0[1], Elem{});
+            mma_16816(s_acc[1], a, b1[0], b1[1], Elem{});
+          }
+        }
+      } else {
+        const uint16_t* k16 = reinterpret_cast<const uint16_t*>(k_tile);
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t a[4], bk[4];
+          ldmatrix_x4(a, sQ + swizzle<D>(lane % 16, 2 * kk + lane / 16));
+          ldmatrix_x4(bk, k16 + swizzle<D>(tok0 + (lane % 8) + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
+          mma_16816(s_acc[0], a, bk[0], bk[1], Elem{});
+          mma_16816(s_acc[1], a, bk[2], bk[3], Elem{});
+        }
       }
 
       // Scale, transform and mask; then the online softmax update per row (two rows per thread).
@@ -388,11 +443,30 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
       a_p[1] = pack2(s_acc[0][2], s_acc[0][3], Elem{});
       a_p[2] = pack2(s_acc[1][0], s_acc[1][1], Elem{});
       a_p[3] = pack2(s_acc[1][2], s_acc[1][3], Elem{});
-      for (int nd = 0; nd < D / 16; ++nd) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, v_tile + swizzle<D>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * nd + lane / 16));
-        mma_16816(o_acc[2 * nd], a_p, bv[0], bv[1], Elem{});
-        mma_16816(o_acc[2 * nd + 1], a_p, bv[2], bv[3], Elem{});
+      if constexpr (kFp8) {
+        // Matrices (tokens 0-7, block nd), (8-15, nd), (0-7, nd+1), (8-15, nd+1), transposed: a register holds
+        // bytes V[2q][2c], V[2q][2c+1], V[2q+1][2c], V[2q+1][2c+1] (q = lane % 4, c = lane / 4); the permute
+        // 0x3120 pairs the tokens of dim 2c (even tile) and of dim 2c+1 (odd tile).
+        for (int nd = 0; nd < D / 16; nd += 2) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, v_tile + swizzle_bytes<Tr::kKVRowBytes>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2),
+                                                                        nd + lane / 16));
+          for (int h = 0; h < 2; ++h) {
+            uint32_t lo[2], hi[2];  // tokens 2q, 2q+1 and 2q+8, 2q+9: (even dim, odd dim)
+            fp8x4_to_pairs<typename Tr::KV>(byte_perm(vb[2 * h], 0u, 0x3120u), lo, Elem{});
+            fp8x4_to_pairs<typename Tr::KV>(byte_perm(vb[2 * h + 1], 0u, 0x3120u), hi, Elem{});
+            mma_16816(o_acc[2 * (nd + h)], a_p, lo[0], hi[0], Elem{});
+            mma_16816(o_acc[2 * (nd + h) + 1], a_p, lo[1], hi[1], Elem{});
+          }
+        }
+      } else {
+        const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_tile);
+        for (int nd = 0; nd < D / 16; ++nd) {
+          uint32_t bv[4];
+          ldmatrix_x4_trans(bv, v16 + swizzle<D>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * nd + lane / 16));
+          mma_16816(o_acc[2 * nd], a_p, bv[0], bv[1], Elem{});
+          mma_16816(o_acc[2 * nd + 1], a_p, bv[2], bv[3], Elem{});
+        }
       }
     }
     cp_async_wait<0>();
@@ -410,11 +484,12 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
     for (int h = 0; h < 2; ++h) {
       const int r = lane / 4 + 8 * h;
       const float f = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(m_run[h] - ms.row_max(r));
-      for (int n = 0; n < D / 8; ++n) {
-        const int col = n * 8 + 2 * (lane % 4);
-        ms.o_at(warp, r, col)[0] = o_acc[n][2 * h] * f;
-        ms.o_at(warp, r, col)[1] = o_acc[n][2 * h + 1] * f;
-      }
+      for (int n = 0; n < D / 8; ++n)
+        for (int e = 0; e < 2; ++e) {
+          // Column 2 (lane % 4) + e of n8 tile n; fp8 tiles hold the even or odd dims of 16-dim block n / 2.
+          const int col = kFp8 ? 16 * (n / 2) + 4 * (lane % 4) + 2 * e + n % 2 : n * 8 + 2 * (lane % 4) + e;
+          *ms.o_at(warp, r, col) = o_acc[n][2 * h + e] * f;
+        }
     }
     __syncthreads();
     finish_rows<Tr>(p, it, ms, row0, 0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);

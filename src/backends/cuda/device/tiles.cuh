@@ -16,6 +16,19 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
 }
 
+// The same layout in bytes, for rows of any element size: 16-byte chunk c of a row of kRowBytes lives at chunk
+// c ^ (row & 7) when a row spans whole 128-byte bank lines (16-bit rows; fp8 rows of head_dim 128 and 256). An fp8
+// row of head_dim 64 is half a line: two rows share a line, so the XOR takes (row >> 1) & 3 and the 8 rows of an
+// ldmatrix land in 2 halves x 4 chunks, again 8 different 16-byte bank groups.
+template <int kRowBytes>
+__device__ __forceinline__ int swizzle_bytes(int row, int chunk) {
+  static_assert(kRowBytes == 64 || kRowBytes % 128 == 0, "rows of 64 bytes or whole 128-byte lines");
+  if constexpr (kRowBytes == 64)
+    return row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4);
+  else
+    return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+}
+
 // ldmatrix addresses into swizzled rows, kept to four registers per operand. A lane reads row r (r & 7 fixed for
 // the whole loop, other rows differ by multiples of 8) at logical chunk 2k + sub. Since the XOR only touches
 // the low three bits, that chunk sits at base[k % 4] + 64 (k / 4) elements, and row + 8 i adds 8 i kHeadDim:
@@ -86,6 +99,36 @@ __device__ __forceinline__ void load_query_rows(const AttentionParams& p, const 
   }
 }
 
+// load_query_rows for kernels that read fp8 K with ldmatrix (decode_kernel.cuh): an 8x8 b16 ldmatrix of fp8 rows
+// hands each thread 4 consecutive head-dim values d..d+3 of a 16-wide block, which the B fragment takes as the
+// k slots (2q, 2q+1) and (2q+8, 2q+9). Q's head dims are permuted to match within every 16-wide block, so
+// the dot product is unchanged: slot pair p (slots 2p, 2p+1) holds dim pair (2p, 2p+1) of [0, 2, 4, 6, 1, 3, 5, 7],
+// i.e. the even dim pairs, then the odd ones. Loaded through registers (16-byte loads; the permutation moves
+// whole 4-byte pairs across the two 16-byte chunks of a block), zeros past `rows`; the stores are complete
+// before the caller's next barrier.
+struct alignas(16) Words4 {
+  uint32_t x, y, z, w;
+};
+template <int D, int kRows, int kThreads>
+__device__ __forceinline__ void load_query_rows_permuted(const AttentionParams& p, const WorkItem& it, int qo_start,
+                                                         int row0, int rows, int group, int kv_head, uint16_t* sQ) {
+  constexpr int kBlocks = D / 16;
+  for (int i = threadIdx.x; i < kRows * kBlocks; i += kThreads) {
+    const int r = i / kBlocks, j = i % kBlocks;
+    Words4 lo = {0u, 0u, 0u, 0u}, hi = {0u, 0u, 0u, 0u};  // dim pairs 0-3 and 4-7 of block j
+    if (r < rows) {
+      const QueryRow q = query_row(it, row0 + r, group, kv_head);
+      const auto* src = reinterpret_cast<const Words4*>(static_cast<const uint16_t*>(p.q) +
+                                                        (qo_start + q.tok) * p.q_stride_token +
+                                                        q.head * p.q_stride_head + j * 16);
+      lo = src[0];
+      hi = src[1];
+    }
+    *reinterpret_cast<Words4*>(sQ + swizzle<D>(r, 2 * j)) = Words4{lo.x, lo.z, hi.x, hi.z};
+    *reinterpret_cast<Words4*>(sQ + swizzle<D>(r, 2 * j + 1)) = Words4{lo.y, lo.w, hi.y, hi.w};
+  }
+}
+
 // The KV positions a packed row may attend within the item: [*lo, *hi), empty for rows past `rows`.
 __device__ __forceinline__ void row_kv_range(const VariantParams& vp, const WorkItem& it, int r, int rows, int rr,
                                              int group, int qo_len, int kv_len, int* lo, int* hi) {
@@ -96,17 +139,18 @@ __device__ __forceinline__ void row_kv_range(const VariantParams& vp, const Work
 }
 
 // Streams K/V tiles of kTileTokens tokens of one request and KV head, starting at token `first` and ending
-// before `last`, into swizzled shared memory with cp.async. Each thread copies kLoadRows rows of one 16-byte
-// chunk column. Page lookups are the only dependent global loads of the stream: fetch_pages(t) loads the page
+// before `last`, into swizzled shared memory (swizzle_bytes) with cp.async. Elements are kElemBytes wide (2, or 1
+// for fp8 K/V, copied as raw codes). Each thread copies kLoadRows rows of one 16-byte chunk column. Page lookups are the only dependent global loads of the stream: fetch_pages(t) loads the page
 // ids of tile t into registers, one tile before load(t) issues the copies, so their latency hides behind the
 // compute of a tile. Tokens past `last` are zero-filled and never read.
 // kPageSlots = 0 keeps the fetched ids in registers (kLoadRows per thread); kPageSlots = S > 0 keeps them in a
 // shared array of S x kTileTokens ints (`slots`), one id fetched per token, which frees those registers for
 // kernels that need them. With shared slots, a barrier must separate fetch_pages(t) from load(t) (the main
 // loop's barrier does; the prologue needs one), and S must be the number of pipeline stages.
-template <int D, int kTileTokens, int kThreads, int kPageSlots = 0>
+template <int D, int kTileTokens, int kThreads, int kPageSlots = 0, int kElemBytes = 2>
 struct KVTileLoader {
-  static constexpr int kChunks = D / 8;
+  static constexpr int kRowBytes = D * kElemBytes;
+  static constexpr int kChunks = kRowBytes / 16;
   static constexpr int kRowGroups = kThreads / kChunks;
   static constexpr int kLoadRows = kTileTokens / kRowGroups;
   static_assert(kThreads % kChunks == 0 && kTileTokens % kRowGroups == 0, "tile copy must divide evenly");
@@ -145,7 +189,7 @@ struct KVTileLoader {
   }
 
   // Copies tile t of K and V into sK / sV (one stage each) from the pages fetched for it.
-  __device__ __forceinline__ void load(int t, uint16_t* sK, uint16_t* sV) const {
+  __device__ __forceinline__ void load(int t, void* sK, void* sV) const {
     const int chunk = threadIdx.x % kChunks;
     #pragma unroll
     for (int k = 0; k < kLoadRows; ++k) {
@@ -154,15 +198,16 @@ struct KVTileLoader {
       const bool valid = token < last;
       const int64_t slot =
           kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
-      const uint16_t* ksrc = static_cast<const uint16_t*>(kv.k);
-      const uint16_t* vsrc = static_cast<const uint16_t*>(kv.v);
+      const uint8_t* ksrc = static_cast<const uint8_t*>(kv.k);
+      const uint8_t* vsrc = static_cast<const uint8_t*>(kv.v);
       if (valid) {
         const int64_t page = kPageSlots > 0 ? slots[(t % kPageSlots) * kTileTokens + r] : pages[k];
-        ksrc += page * kv.k_stride_page + slot * kv.k_stride_token + kv_head * kv.k_stride_head + chunk * 8;
-        vsrc += page * kv.v_stride_page + slot * kv.v_stride_token + kv_head * kv.v_stride_head + chunk * 8;
+        ksrc += (page * kv.k_stride_page + slot * kv.k_stride_token + kv_head * kv.k_stride_head) * kElemBytes + chunk * 16;
+        vsrc += (page * kv.v_stride_page + slot * kv.v_stride_token + kv_head * kv.v_stride_head) * kElemBytes + chunk * 16;
       }
-      cp_async_16(sK + swizzle<D>(r, chunk), ksrc, valid ? 16 : 0);
-      cp_async_16(sV + swizzle<D>(r, chunk), vsrc, valid ? 16 : 0);
+      const int dst = swizzle_bytes<kRowBytes>(r, chunk);
+      cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, valid ? 16 : 0);
+      cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc, valid ? 16 : 0);
     }
   }
 };
