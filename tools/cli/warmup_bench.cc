@@ -52,6 +52,9 @@ int run_warmup_bench(const WarmupCommandOptions& o) {
   const std::string arch = !o.archs.empty() ? o.archs[0]
                            : !gpus.empty()  ? jit::arch_for_device(gpus[0].major, gpus[0].minor)
                                             : "sm_90a";
+  // Modules load, and NVRTC kernels race nvcc's, only for the GPU's own architecture (an sm_80 cubin does not
+  // load on an sm_90 GPU): `--arch sm_80` on a Hopper machine measures compile and cache times alone.
+  const bool on_gpu = !gpus.empty() && arch == jit::arch_for_device(gpus[0].major, gpus[0].minor);
   std::string tmpl = (fs::temp_directory_path() / "attnforge-warmup-bench-XXXXXX").string();
   if (!mkdtemp(tmpl.data())) throw std::runtime_error("cannot create a temporary directory");
   const fs::path root = tmpl;
@@ -96,7 +99,7 @@ int run_warmup_bench(const WarmupCommandOptions& o) {
       const jit::Lookup l = cache.get(src, settings);
       if (l.origin != jit::Origin::kDisk) throw std::runtime_error("the warm lookup did not come from the disk cache");
       disk_ms.push_back(l.seconds * 1e3);
-      if (!gpus.empty()) {
+      if (on_gpu) {
         const cuda::DriverApi& d = cuda::driver();
         if (i == 0 && (cudaSetDevice(gpus[0].id) != cudaSuccess || cudaFree(nullptr) != cudaSuccess))
           throw std::runtime_error("cannot initialize the GPU");
@@ -113,7 +116,7 @@ int run_warmup_bench(const WarmupCommandOptions& o) {
     const double disk = median_of(disk_ms);
     const double load = module_ms.empty() ? 0 : median_of(module_ms);
     const std::string module_part =
-        module_ms.empty() ? std::string(" (no GPU: module load not measured)")
+        module_ms.empty() ? fmt::format(" (no GPU of arch {}: module load not measured)", arch)
                           : fmt::format(" + {:.3f} ms cuModuleLoadData and lookups = {:.3f} ms", load, disk + load);
     fmt::print("warm load of {} from the disk cache: {:.3f} ms read and verified{}; target <= 10 ms: {}\n", src.name,
                disk, module_part, verdict(disk + load <= 10));
@@ -154,7 +157,7 @@ int run_warmup_bench(const WarmupCommandOptions& o) {
   json["warmup_default_set_s"] = all.seconds, json["warmup_default_set_kernels"] = all.kernels.size();
 
   // 4. NVRTC-compiled against nvcc-compiled kernels, same shapes, buffers and plans.
-  if (!gpus.empty()) {
+  if (on_gpu) {
     DeviceInfo device;
     device.device = Device::cuda(gpus[0].id);
     device.name = gpus[0].name;

@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
         __syncthreads();
         rope_rows<D, Tr::kThreads, Elem>(sQ, Tr::kRows, vp.rope, s_freqs, [&](int r) {
           return r < rows ? query_position(query_row(it, row0 + r, group, kv_head).tok, qo_len, kv_len) + rope_offset
-                          : -1;
+                          : kRopeSkipRow;
         });
       }
     }
@@ -352,7 +352,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
         if (rope) {  // K of this tile rotated in place; a second barrier before any warp reads it
           const int first = range_lo + t * Tr::kTileTokens;
           rope_rows<D, Tr::kThreads, Elem>(reinterpret_cast<uint16_t*>(k_tile), Tr::kTileTokens, vp.rope, s_freqs,
-                                           [&](int r) { return first + r < range_hi ? first + r + rope_offset : -1; });
+                                           [&](int r) {
+                                             return first + r < range_hi ? first + r + rope_offset : kRopeSkipRow;
+                                           });
           __syncthreads();
         }
       }

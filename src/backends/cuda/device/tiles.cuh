@@ -47,8 +47,11 @@ struct SwizzledLane {
 // RoPE inside attention (kernel/variant.h semantics, as the CPU backend applies it): rotary frequencies once per
 // CTA into shared memory, then rows of a swizzled 16-bit tile rotated in place. Each thread takes (row, pair)
 // elements; the pair is rotated in fp32 and rounded back to the element type, the precision the tensor cores
-// read. pos_of(row) gives a row's position, or a negative value for rows to leave alone (padding). sincosf, not
+// read. pos_of(row) gives a row's position (negative for queries before the first key when qo_len > kv_len), or
+// kRopeSkipRow for rows to leave alone (padding). sincosf, not
 // __sincosf: positions reach 10^5-10^6 radians, where the fast version's error is large.
+constexpr int kRopeSkipRow = -0x7fffffff - 1;
+
 template <int kThreads>
 __device__ __forceinline__ void rope_frequencies(const RopeParams& r, float* freqs) {
   for (int p = threadIdx.x; p < r.rotary_dim / 2; p += kThreads) freqs[p] = rope_frequency(r, p);
@@ -61,7 +64,7 @@ __device__ __forceinline__ void rope_rows(uint16_t* tile, int num_rows, const Ro
   for (int i = threadIdx.x; i < num_rows * half; i += kThreads) {
     const int row = i / half, pair = i % half;
     const int pos = pos_of(row);
-    if (pos < 0) continue;
+    if (pos == kRopeSkipRow) continue;
     int a, b;
     rope_pair(r, pair, &a, &b);
     float s, c;

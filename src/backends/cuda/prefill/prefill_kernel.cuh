@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
       __syncthreads();
       rope_rows<D, Tr::kThreads, Elem>(sQ, Tr::kRows, vp.rope, s_freqs, [&](int r) {
         return r < rows ? query_position(query_row(it, row0 + r, group, kv_head).tok, qo_len, kv_len) + rope_offset
-                        : -1;
+                        : kRopeSkipRow;
       });
     }
     // ldmatrix lanes: Q rows of the warp (A operand), K rows (B of Q K^T), V rows (B of P V, transposed).
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
       if constexpr (rope) {  // K of this stage rotated in place; a second barrier before any warp reads it
         const int first = range_lo + t * NS;
         rope_rows<D, Tr::kThreads, Elem>(sK + (t % Tr::kStages) * Tr::kStageElems, NS, vp.rope, s_freqs, [&](int r) {
-          return first + r < range_hi ? first + r + rope_offset : -1;
+          return first + r < range_hi ? first + r + rope_offset : kRopeSkipRow;
         });
         __syncthreads();
       }
