@@ -627,7 +627,9 @@ TEST(JitLaunch, OneConfigurationFromTheTraits) {
   EXPECT_EQ(c.attention.grid.x, 700u);
   EXPECT_EQ(c.attention.grid.z, 1u);
   EXPECT_EQ(c.attention.smem_bytes, static_cast<unsigned>(smem(128, 3)));
-  EXPECT_FALSE(c.run_merge) << "split KV merges inside the decode kernel: no merge launch";
+  EXPECT_TRUE(c.run_merge);
+  EXPECT_EQ(c.merge.grid.x, 30u);
+  EXPECT_EQ(c.merge.grid.y, 32u);
 }
 
 // The prefill kernel: 4 warps; Q rows, then the K and V stages (3 stages of one softmax step up to head_dim 128, 2

@@ -98,14 +98,9 @@ KVParams paged_kv_params(const PagedKVCache& kv) {
   return p;
 }
 
-int64_t merge_counter_count(int64_t merge_capacity, const AttentionShape& s, int32_t qo_tile) {
-  return merge_capacity * s.num_qo_heads * qo_tile;
-}
-
-size_t plan_metadata_bytes(int64_t batch, int64_t item_capacity, int64_t merge_capacity, int64_t counters) {
+size_t plan_metadata_bytes(int64_t batch, int64_t item_capacity, int64_t merge_capacity) {
   return align256(sizeof(PlanView)) + align256((batch + 1) * sizeof(int32_t)) + align256(batch * sizeof(int32_t)) +
-         align256(item_capacity * sizeof(WorkItem)) + align256(merge_capacity * sizeof(MergeItem)) +
-         align256(counters * sizeof(int32_t));
+         align256(item_capacity * sizeof(WorkItem)) + align256(merge_capacity * sizeof(MergeItem));
 }
 
 }  // namespace attnforge::detail

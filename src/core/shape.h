@@ -22,11 +22,8 @@ uint64_t batch_fingerprint(KVFormat format, int32_t page_size, std::span<const i
 // Bytes of partial (o, lse) state for `rows` rows, each 256-byte aligned region.
 size_t partial_state_bytes(int64_t rows, const AttentionShape& s);
 // Bytes of the plan metadata a device backend keeps at the start of the workspace (PlanView, qo_indptr, kv_len,
-// items, merges, merge counters; each region 256-byte aligned).
-size_t plan_metadata_bytes(int64_t batch, int64_t item_capacity, int64_t merge_capacity, int64_t counters);
-// Arrival counters a plan's kernels may use to merge split KV in place (PlanView::merge_counters): one per
-// merge, query head and query row of a tile, enough for any grouping of rows into CTAs.
-int64_t merge_counter_count(int64_t merge_capacity, const AttentionShape& s, int32_t qo_tile);
+// items, merges; each region 256-byte aligned).
+size_t plan_metadata_bytes(int64_t batch, int64_t item_capacity, int64_t merge_capacity);
 
 // K/V pointers, dtype, format, page size, heads, strides (by layout) and scales of a paged cache whose views
 // were validated; page ids and indptr are left to the caller.

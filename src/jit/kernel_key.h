@@ -14,9 +14,7 @@
 namespace attnforge::jit {
 
 enum class KernelFamily : int32_t {
-  // Batch decode (backends/cuda/decode/decode_kernel.cuh). Its module still carries the merge kernel, which
-  // run() no longer launches for decode: the decode kernel merges its split KV itself.
-  kDecode = 0,
+  kDecode = 0,   // batch decode (backends/cuda/decode/decode_kernel.cuh) and the split-KV merge kernel
   kPrefill = 1,  // batch prefill and append (backends/cuda/prefill/prefill_kernel.cuh) and the split-KV merge kernel
 };
 const char* to_string(KernelFamily family);  // "decode", "prefill"

@@ -470,11 +470,6 @@ void upload_plan(AttentionPlan& plan, const Workspace& workspace, void* host_sta
                                                   plan.item_capacity * sizeof(WorkItem)));
     v.merges = static_cast<const MergeItem*>(place(plan.merges.data(), plan.merges.size() * sizeof(MergeItem),
                                                     plan.merge_capacity * sizeof(MergeItem)));
-    // Counters start at zero; a kernel that uses them leaves them at zero.
-    const int64_t counters = detail::merge_counter_count(plan.merge_capacity, plan.shape, plan.qo_tile);
-    std::memset(stage + off, 0, counters * sizeof(int32_t));
-    v.merge_counters = reinterpret_cast<int32_t*>(base + off);
-    off += detail::align256(counters * sizeof(int32_t));
     std::memcpy(stage, &v, sizeof(v));
     backend.copy_to_device(workspace.data, stage, plan.metadata_bytes, stream);
   }

@@ -209,8 +209,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     plan.item_capacity = static_cast<int32_t>(bound);
     plan.merge_capacity = static_cast<int32_t>(tiles.size());
     plan.partial_row_capacity = std::max<int64_t>(plan.partial_rows, static_cast<int64_t>(bound) * plan.qo_tile);
-    plan.metadata_bytes = detail::plan_metadata_bytes(plan.batch_size, plan.item_capacity, plan.merge_capacity,
-                                                      detail::merge_counter_count(plan.merge_capacity, shape, plan.qo_tile));
+    plan.metadata_bytes = detail::plan_metadata_bytes(plan.batch_size, plan.item_capacity, plan.merge_capacity);
   } else {
     plan.item_capacity = num_items;
     plan.merge_capacity = static_cast<int32_t>(plan.merges.size());

@@ -296,9 +296,8 @@ TEST(CudaFuzz, RandomBatches) {
   EXPECT_GT(ran, static_cast<int>(iters / 2));
 }
 
-// The decode kernel merges split KV with arrival counters kept in the workspace; the merging CTA resets them.
-// Runs of one uploaded plan one after another must each be right and bit-identical (a counter left non-zero
-// would make a later run merge early or never).
+// Runs of one uploaded plan on one workspace, one after another, must each be right and bit-identical: nothing a
+// run leaves in the workspace (partial states, metadata) may leak into the next.
 TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
   CaseSpec s;
   s.kind = PlanKind::kDecode;

@@ -105,10 +105,6 @@ struct PlanView {
   const MergeItem* merges;   // [num_merges]
   float* partial_o;          // [partial rows, num_qo_heads, head_dim_vo]
   float* partial_lse;        // [partial rows, num_qo_heads]
-  // Arrival counters of kernels that merge split KV themselves (the CTA that finishes a merge's last piece
-  // combines them): [merge_capacity, num_qo_heads * qo_tile], zero between runs (upload_plan writes zeros; the
-  // merging CTA resets its counter).
-  int32_t* merge_counters;
 };
 
 // Everything one batch-attention launch needs.

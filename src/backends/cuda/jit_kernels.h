@@ -1,5 +1,5 @@
 // The NVRTC-compiled kernels of one device, both families (decode, prefill) and the merge kernel each module
-// carries (launched after prefill; decode merges its split KV inside its kernel): keys from params, modules from
+// carries (launched after either where the plan splits KV): keys from params, modules from
 // the kernel cache, loaded through the driver API once per key, given the attributes and launched with the launch
 // configuration the nvcc build uses (decode.h, prefill.h).
 #pragma once

@@ -24,8 +24,7 @@ struct KernelAttributes {
 };
 
 // The launches of one planned batch: the family's attention kernel over (work items, KV heads, blocks of rows),
-// then, where the plan has merges, the split-KV merge kernel (prefill; decode merges its split KV inside its
-// kernel, so its configuration has run_merge false). Grid sizes come from the plan's capacities (fixed for a batch
+// then, where the plan has merges, the split-KV merge kernel. Grid sizes come from the plan's capacities (fixed for a batch
 // size), never from its counts, so a captured graph stays valid across re-plans; kernels loop over the counts they
 // read from the workspace. The nvcc-compiled launches (run_decode, run_prefill) and the NVRTC ones (jit_kernels.h)
 // both use it.

@@ -1,9 +1,10 @@
 // Instantiations and launch of the nvcc-compiled decode kernels with 16-bit K/V (fp8 K/V: decode_fp8.cu), and the
-// launch configuration both builds of the kernels share. Split-KV items are merged inside the decode kernel, by the
-// CTA that finishes a merge's last piece.
+// launch configuration both builds of the kernels share. Split-KV items are merged by the shared merge kernel
+// (backends/cuda/merge).
 #include <cuda_runtime.h>
 
 #include "backends/cuda/decode/decode_instances.h"
+#include "backends/cuda/merge/merge.h"
 
 namespace attnforge::cuda {
 
@@ -44,9 +45,7 @@ KernelAttributes decode_attributes(int head_dim, DType kv_dtype, int stages) {
 
 LaunchConfig decode_launch_config(const AttentionParams& p, int stages) {
   constexpr int kRows = DecodeTraits<64, Bf16>::kRows;  // one mma M tile, the same for every instantiation
-  LaunchConfig c = attention_launch_config(p, kRows, decode_attributes(p.head_dim_qk, p.kv.dtype, stages));
-  c.run_merge = false;  // split KV is merged inside the decode kernel, by the CTA that finishes a merge's last piece
-  return c;
+  return attention_launch_config(p, kRows, decode_attributes(p.head_dim_qk, p.kv.dtype, stages));
 }
 
 int decode_ctas_per_sm(int head_dim, DType kv_dtype) {
@@ -71,6 +70,7 @@ void run_decode(const AttentionParams& p, cudaStream_t stream) {
       default: break;  // rejected by CudaBackend::check before any launch
     }
   }
+  run_merge(p, stream);
 }
 
 }  // namespace attnforge::cuda

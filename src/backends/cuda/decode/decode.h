@@ -1,4 +1,4 @@
-// Launch of the decode kernel (which merges its own split KV). The launch configuration (grid, block, shared
+// Launch of the decode kernel and of the merge of its split KV. The launch configuration (grid, block, shared
 // memory, attributes) is computed here once for both builds of the kernels: the nvcc-compiled instantiations
 // (run_decode) and the NVRTC compiled ones (backends/cuda/jit_kernels.h).
 #pragma once

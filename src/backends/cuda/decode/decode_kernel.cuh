@@ -2,8 +2,8 @@
 // tokens times the query heads of the KV head's group, so every K/V element loaded is used by all of them.
 // The 4 warps split each 64-token tile (16 tokens each) and keep their own online-softmax state; the states
 // are merged through shared memory at the end. K/V tiles stream through a cp.async pipeline, each row fetched
-// from its page with the shared KVParams address arithmetic. KV split over several items is merged by the last
-// CTA of each split to finish (merge_pieces), counted with one atomic per CTA. Self-contained for NVRTC.
+// from its page with the shared KVParams address arithmetic. Split KV is merged by the merge kernel
+// (backends/cuda/merge). Self-contained for NVRTC.
 //
 // fp8 K/V (KV = E4M3 or E5M2) stream into shared memory as raw codes, half the bytes of a 16-bit tile, and are
 // converted to the operand type in registers, exactly (device/fp8.cuh), right after ldmatrix:
@@ -110,135 +110,6 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
       const int64_t prow = static_cast<int64_t>(it.partial_row) + (q.tok - it.qo_begin);
       plan.partial_o[(prow * p.num_qo_heads + q.head) * D + d] = o;
       if (d == 0) plan.partial_lse[prow * p.num_qo_heads + q.head] = lse;
-    }
-  }
-}
-
-// The merge of split KV for the rows of one CTA, run by the CTA that finished last, in two passes through L2
-// (ld.global.cg: other SMs wrote the partial states during this kernel). First each row's largest piece LSE and
-// the sum of the weights 2^(lse_k - max); then the weights of up to 256 pieces into shared memory, and each
-// thread adds up the pieces for the float4 slices of the rows it owns, eight loads in flight at a time, so a
-// merge of 49 pieces costs about a dozen L2 round trips rather than one per piece. Pieces are added in plan order,
-// whichever CTA merges: the result does not depend on arrival order.
-// It reads its item afresh (rather than taking the values the main loop had) so that the compiler keeps none of
-// them alive through the main loop, whose registers are at the limit of three CTAs per SM.
-template <class Tr>
-__device__ __forceinline__ void merge_pieces(const AttentionParams& p, int item_index, void* smem_area) {
-  const PlanView& plan = *p.plan;
-  const int* raw = reinterpret_cast<const int*>(plan.items + item_index);
-  WorkItem it;
-  it.request = __ldcg(raw + 0), it.qo_begin = __ldcg(raw + 1), it.qo_end = __ldcg(raw + 2);
-  it.kv_begin = __ldcg(raw + 3), it.kv_end = __ldcg(raw + 4), it.partial_row = __ldcg(raw + 5), it.merge = __ldcg(raw + 6);
-  const MergeItem mi = plan.merges[it.merge];
-  const int group = p.num_qo_heads / p.num_kv_heads, kv_head = blockIdx.y, row0 = blockIdx.z * Tr::kRows;
-  const int rows = min(Tr::kRows, (it.qo_end - it.qo_begin) * group - row0);
-  const int qo_start = __ldcg(plan.qo_indptr + it.request);
-  static_assert(sizeof(WorkItem) == 7 * sizeof(int), "WorkItem is read as 7 ints");
-  constexpr int D = Tr::kHeadDim;
-  constexpr int R = Tr::kRows;                        // 16 rows, one per (tid % 16)
-  constexpr int kLanesPerRow = Tr::kThreads / R;      // 8 threads share a row in the weight pass
-  constexpr int kChunk = 256;                         // pieces whose weights sit in shared memory at once
-  constexpr int kSlices = D / 4;                      // float4 slices of a row
-  const int tid = threadIdx.x, heads = p.num_qo_heads;
-  float* s_w = reinterpret_cast<float*>(smem_area);   // [kChunk][R]
-  int64_t* s_base = reinterpret_cast<int64_t*>(s_w + kChunk * R);  // [kChunk]: partial_row * heads
-  float* s_red = reinterpret_cast<float*>(s_base + kChunk);        // [kLanesPerRow][R]
-  float* s_max = s_red + kLanesPerRow * R;                         // [R]
-  float* s_sum = s_max + R;                                        // [R]
-  static_assert(kChunk * R * 4 + kChunk * 8 + (kLanesPerRow + 2) * R * 4 <= Tr::kSmemBytes - Tr::kQBytes,
-                "the merge's weights must fit in the K/V stages");
-  const WorkItem* pieces = plan.items + mi.first_item;
-  const int n = mi.num_items;
-
-  // Row of this thread in the weight pass, as an offset into a piece's rows.
-  const int wr = tid % R, wk = tid / R;
-  int w_off = -1;
-  if (wr < rows) {
-    const QueryRow q = query_row(it, row0 + wr, group, kv_head);
-    w_off = (q.tok - it.qo_begin) * heads + q.head;
-  }
-  auto lse_of = [&](int k) {
-    return __ldcg(plan.partial_lse + static_cast<int64_t>(pieces[k].partial_row) * heads + w_off);
-  };
-  float m = -ATTNFORGE_INFINITY;
-  if (w_off >= 0) {
-#pragma unroll 4
-    for (int k = wk; k < n; k += kLanesPerRow) m = fmaxf(m, lse_of(k));
-  }
-  s_red[wk * R + wr] = m;
-  __syncthreads();
-  if (tid < R) {
-    float x = -ATTNFORGE_INFINITY;
-    for (int j = 0; j < kLanesPerRow; ++j) x = fmaxf(x, s_red[j * R + tid]);
-    s_max[tid] = x;
-  }
-  __syncthreads();
-  m = s_max[wr];
-  float l = 0.f;
-  if (w_off >= 0) {
-#pragma unroll 4
-    for (int k = wk; k < n; k += kLanesPerRow) {
-      const float lse = lse_of(k);
-      l += lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);  // an empty piece adds nothing
-    }
-  }
-  s_red[wk * R + wr] = l;
-  __syncthreads();
-  if (tid < R) {
-    float x = 0.f;
-    for (int j = 0; j < kLanesPerRow; ++j) x += s_red[j * R + tid];
-    s_sum[tid] = x;
-  }
-  // Slices of the 16 rows per thread, summed four at a time (passes) to bound the registers they hold.
-  constexpr int kOwned = (R * kSlices + Tr::kThreads - 1) / Tr::kThreads;
-  constexpr int kPerPass = kOwned < 4 ? kOwned : 4;
-  for (int pass = 0; pass < kOwned; pass += kPerPass) {
-    float4 acc[kPerPass];
-    for (int j = 0; j < kPerPass; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int base = 0; base < n; base += kChunk) {
-      const int c = min(kChunk, n - base);
-      if (pass == 0 || n > kChunk) {  // the weights of this chunk (kept for later passes when there is one)
-        __syncthreads();              // earlier readers of s_w are done
-        for (int k = wk; k < c; k += kLanesPerRow) {
-          float w = 0.f;
-          if (w_off >= 0) {
-            const float lse = lse_of(base + k);
-            w = lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);
-          }
-          s_w[k * R + wr] = w;
-          if (wr == 0) s_base[k] = static_cast<int64_t>(pieces[base + k].partial_row) * heads;
-        }
-        __syncthreads();
-      }
-      for (int j = 0; j < kPerPass; ++j) {
-        const int slice = tid + (pass + j) * Tr::kThreads, r = slice / kSlices;
-        if (r >= rows) continue;
-        const QueryRow q = query_row(it, row0 + r, group, kv_head);
-        const int64_t off = static_cast<int64_t>(q.tok - it.qo_begin) * heads + q.head;
-        const float* o_base = plan.partial_o + off * D + 4 * (slice % kSlices);
-        float4 a = acc[j];
-#pragma unroll 8
-        for (int k = 0; k < c; ++k) {
-          const float w = s_w[k * R + r];
-          const float4 o = __ldcg(reinterpret_cast<const float4*>(o_base + s_base[k] * D));
-          a.x += w * o.x, a.y += w * o.y, a.z += w * o.z, a.w += w * o.w;
-        }
-        acc[j] = a;
-      }
-    }
-    for (int j = 0; j < kPerPass; ++j) {
-      const int slice = tid + (pass + j) * Tr::kThreads, r = slice / kSlices;
-      if (r >= rows) continue;
-      const QueryRow q = query_row(it, row0 + r, group, kv_head);
-      const float sum = s_sum[r];
-      float lse = sum > 0.f ? s_max[r] + log2f(sum) : -ATTNFORGE_INFINITY;
-      const float f = (sum > 0.f ? 1.f / sum : 0.f) * apply_sink(p.variant, q.head, &lse);
-      const int64_t out = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head + 4 * (slice % kSlices);
-      store_element(p.o, p.o_dtype, out, acc[j].x * f);
-      store_element(p.o, p.o_dtype, out + 1, acc[j].y * f);
-      store_element(p.o, p.o_dtype, out + 2, acc[j].z * f);
-      store_element(p.o, p.o_dtype, out + 3, acc[j].w * f);
-      if (p.lse && slice % kSlices == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
     }
   }
 }
@@ -496,27 +367,6 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
     __syncthreads();
     finish_rows<Tr>(p, it, ms, row0, 0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
 
-    // Split KV: the CTA that completes a merge's last piece combines every piece's state for its rows, so no
-    // second kernel (and no launch gap) follows. Counters are zero between runs: the last arrival resets its own.
-    if (it.partial_row >= 0) {
-      __threadfence();  // this CTA's partial rows are visible device-wide before it is counted
-      __syncthreads();
-      __shared__ int s_last;
-      if (tid == 0) {
-        const int merge = __ldcg(&plan.items[item_index].merge);  // reloaded: not kept alive through the main loop
-        const int num_pieces = plan.merges[merge].num_items;
-        int* counter = plan.merge_counters +
-                       (static_cast<int64_t>(merge) * p.num_kv_heads + kv_head) * (p.qo_tile * group) + blockIdx.z;
-        const int arrived = atomicAdd(counter, 1) + 1;
-        s_last = arrived == num_pieces;
-        if (s_last) *counter = 0;  // every piece has arrived: nothing else touches it this run
-      }
-      __syncthreads();
-      if (s_last) {
-        __threadfence();
-        merge_pieces<Tr>(p, item_index, sK);
-      }
-    }
     __syncthreads();  // shared memory is reused by the next item
   }
 }
