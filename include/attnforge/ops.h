@@ -41,13 +41,20 @@ void run(const AttentionPlan& plan, const TensorView& q, const RaggedKV& kv, con
 // ---- single request, contiguous KV ----
 // k, v: NHD [kv_len, num_kv_heads, head_dim] or HND [num_kv_heads, kv_len, head_dim].
 // single_decode: q [num_qo_heads, head_dim]; out [num_qo_heads, head_dim_vo]; lse [num_qo_heads].
+// They plan and run in one call. On the CPU they need nothing else. On CUDA they need `workspace`: device memory
+// of at least single_workspace_bytes(...) bytes (256-byte aligned), where the plan (with its KV splits, so a long
+// request uses every SM) and the KV offsets are copied from pageable host memory: the call waits for `stream` to
+// reach it, so it cannot be captured in a CUDA graph (the batch API can).
 void single_decode(const TensorView& q, const TensorView& k, const TensorView& v, KVLayout layout,
                    const Outputs& outputs, const AttentionOptions& options = {}, float k_scale = 1.f,
-                   float v_scale = 1.f, Stream stream = nullptr);
+                   float v_scale = 1.f, Stream stream = nullptr, const Workspace& workspace = {});
 // single_prefill: q [qo_len, num_qo_heads, head_dim]; out [qo_len, num_qo_heads, head_dim_vo].
 void single_prefill(const TensorView& q, const TensorView& k, const TensorView& v, KVLayout layout,
                     const Outputs& outputs, const AttentionOptions& options = {}, float k_scale = 1.f,
-                    float v_scale = 1.f, Stream stream = nullptr);
+                    float v_scale = 1.f, Stream stream = nullptr, const Workspace& workspace = {});
+// The workspace single_decode (kind kDecode, qo_len 1) or single_prefill needs on `device` (0 on the CPU).
+size_t single_workspace_bytes(PlanKind kind, const AttentionShape& shape, int32_t qo_len, int32_t kv_len,
+                              Device device, bool causal = false);
 
 // ---- attention states ----
 // merge_state: v_a, v_b [n, heads, dim] (fp32/fp16/bf16), s_a, s_b float32 [n, heads] (log2);

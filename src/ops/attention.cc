@@ -413,8 +413,28 @@ TensorView as_nhd(const TensorView& t, KVLayout layout, const char* name) {
   return r;
 }
 
+// The one-request plan of single_decode / single_prefill.
+AttentionPlan single_plan(PlanKind kind, const AttentionShape& shape, int32_t qo_len, int32_t kv_len, Device device,
+                          bool causal) {
+  int32_t qo_indptr[2] = {0, qo_len};
+  int32_t kv_indptr[2] = {0, kv_len};
+  BatchPlanArgs args;
+  args.device = device;
+  args.shape = shape;
+  args.qo_indptr = TensorView(qo_indptr, DType::kInt32, {2});
+  args.set_ragged(TensorView(kv_indptr, DType::kInt32, {2}));
+  // The CPU runs one request on its thread pool's queue without splits; a GPU needs them to fill its SMs.
+  args.options.disable_split = device.type == DeviceType::kCPU;
+  args.options.causal = causal;
+  return kind == PlanKind::kDecode ? plan_batch_decode(args) : plan_batch_prefill(args);
+}
+
+// Bytes past the plan's workspace where a device run keeps the KV offsets {0, kv_len}.
+constexpr size_t kSingleIndptrBytes = 256;
+
 void single(PlanKind kind, const TensorView& q3, const TensorView& k, const TensorView& v, KVLayout layout,
-            const Outputs& outputs, const AttentionOptions& options, float k_scale, float v_scale, Stream stream) {
+            const Outputs& outputs, const AttentionOptions& options, float k_scale, float v_scale, Stream stream,
+            const Workspace& workspace) {
   if (layout != KVLayout::kNHD && layout != KVLayout::kHND)
     fail_arg("layout: {}; expected one of {{NHD, HND}}", static_cast<int>(layout));
   RaggedKV kv;
@@ -423,21 +443,30 @@ void single(PlanKind kind, const TensorView& q3, const TensorView& k, const Tens
   kv.k_scale = k_scale;
   kv.v_scale = v_scale;
   expect_defined(q3, "q");
-  if (q3.device.type != DeviceType::kCPU)
-    fail(ErrorKind::kUnsupported, "q: single_{} on {} is not available yet; use the batch API", kind == PlanKind::kDecode ? "decode" : "prefill", to_string(q3.device));
-  int32_t qo_indptr[2] = {0, static_cast<int32_t>(q3.shape[0])};
-  int32_t kv_indptr[2] = {0, static_cast<int32_t>(kv.k.shape[0])};
-  BatchPlanArgs args;
-  args.device = q3.device;
-  args.shape = {static_cast<int32_t>(q3.shape[1]), static_cast<int32_t>(kv.k.shape[1]), static_cast<int32_t>(q3.shape[2]),
-                static_cast<int32_t>(kv.v.shape[2]), q3.dtype, kv.k.dtype, outputs.out.defined() ? outputs.out.dtype : q3.dtype};
-  args.qo_indptr = TensorView(qo_indptr, DType::kInt32, {2});
-  args.set_ragged(TensorView(kv_indptr, DType::kInt32, {2}));
-  args.options.disable_split = true;
-  args.options.causal = options.causal;
-  const AttentionPlan plan = kind == PlanKind::kDecode ? plan_batch_decode(args) : plan_batch_prefill(args);
-  kv.indptr = TensorView(kv_indptr, DType::kInt32, {2});
-  run(plan, q3, kv, outputs, options, Workspace{}, stream);
+  const AttentionShape shape{static_cast<int32_t>(q3.shape[1]), static_cast<int32_t>(kv.k.shape[1]),
+                             static_cast<int32_t>(q3.shape[2]), static_cast<int32_t>(kv.v.shape[2]), q3.dtype,
+                             kv.k.dtype, outputs.out.defined() ? outputs.out.dtype : q3.dtype};
+  const int32_t kv_len = static_cast<int32_t>(kv.k.shape[0]);
+  AttentionPlan plan = single_plan(kind, shape, static_cast<int32_t>(q3.shape[0]), kv_len, q3.device, options.causal);
+  int32_t kv_indptr[2] = {0, kv_len};
+  if (q3.device.type == DeviceType::kCPU) {
+    kv.indptr = TensorView(kv_indptr, DType::kInt32, {2});
+    run(plan, q3, kv, outputs, options, Workspace{}, stream);
+    return;
+  }
+  const size_t needed = plan.workspace_bytes + kSingleIndptrBytes;
+  if (workspace.data == nullptr || workspace.bytes < needed)
+    fail(ErrorKind::kWorkspace, "workspace: {} bytes at {}; single_{} on {} needs {} bytes of device memory "
+         "(single_workspace_bytes)", workspace.bytes, workspace.data, kind == PlanKind::kDecode ? "decode" : "prefill",
+         to_string(q3.device), needed);
+  // Pageable staging: the copies wait for the stream and have read the host bytes when they return.
+  std::vector<char> staging(plan.staging_bytes);
+  const Workspace plan_ws{workspace.data, plan.workspace_bytes};
+  upload_plan(plan, plan_ws, staging.data(), staging.size(), stream);
+  void* indptr_device = static_cast<char*>(workspace.data) + plan.workspace_bytes;
+  detail::backend_for(q3.device).copy_to_device(indptr_device, kv_indptr, sizeof(kv_indptr), stream);
+  kv.indptr = TensorView(indptr_device, DType::kInt32, {2}, q3.device);
+  run(plan, q3, kv, outputs, options, plan_ws, stream);
 }
 
 }  // namespace
@@ -490,7 +519,7 @@ void run(const AttentionPlan& plan, const TensorView& q, const RaggedKV& kv, con
 
 void single_decode(const TensorView& q, const TensorView& k, const TensorView& v, KVLayout layout,
                    const Outputs& outputs, const AttentionOptions& options, float k_scale, float v_scale,
-                   Stream stream) {
+                   Stream stream, const Workspace& workspace) {
   expect_defined(q, "q");
   expect_ndim(q, "q", 2, "[num_qo_heads, head_dim]");
   TensorView q3 = q;
@@ -512,15 +541,21 @@ void single_decode(const TensorView& q, const TensorView& k, const TensorView& v
     o3.lse.shape[0] = 1, o3.lse.shape[1] = t.shape[0];
     o3.lse.strides[0] = t.shape[0] * t.strides[0], o3.lse.strides[1] = t.strides[0];
   }
-  single(PlanKind::kDecode, q3, k, v, layout, o3, options, k_scale, v_scale, stream);
+  single(PlanKind::kDecode, q3, k, v, layout, o3, options, k_scale, v_scale, stream, workspace);
 }
 
 void single_prefill(const TensorView& q, const TensorView& k, const TensorView& v, KVLayout layout,
                     const Outputs& outputs, const AttentionOptions& options, float k_scale, float v_scale,
-                    Stream stream) {
+                    Stream stream, const Workspace& workspace) {
   expect_defined(q, "q");
   expect_ndim(q, "q", 3, "[qo_len, num_qo_heads, head_dim]");
-  single(PlanKind::kPrefill, q, k, v, layout, outputs, options, k_scale, v_scale, stream);
+  single(PlanKind::kPrefill, q, k, v, layout, outputs, options, k_scale, v_scale, stream, workspace);
+}
+
+size_t single_workspace_bytes(PlanKind kind, const AttentionShape& shape, int32_t qo_len, int32_t kv_len,
+                              Device device, bool causal) {
+  if (device.type == DeviceType::kCPU) return 0;
+  return single_plan(kind, shape, qo_len, kv_len, device, causal).workspace_bytes + kSingleIndptrBytes;
 }
 
 }  // namespace attnforge

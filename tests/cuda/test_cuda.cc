@@ -631,3 +631,57 @@ TEST(CudaVariants, CustomVariantsInTheDecodeKernel) {
     cudaFree(bias_dev);
   }
 }
+
+// single_decode and single_prefill on CUDA (contiguous K/V: a one-request ragged case, its rows from the case's
+// first ragged offset), with the workspace single_workspace_bytes names; checked like the batch cases. The decode
+// request is long enough that its plan splits KV over the SMs.
+TEST(CudaSingle, DecodeAndPrefillOnContiguousKV) {
+  for (PlanKind kind : {PlanKind::kDecode, PlanKind::kPrefill}) {
+    CaseSpec s;
+    s.kind = kind;
+    s.format = KVFormat::kRagged;
+    s.num_qo_heads = 32, s.num_kv_heads = 8, s.head_dim_qk = 128;
+    s.qo_lens = {kind == PlanKind::kDecode ? 1 : 300};
+    s.kv_lens = {kind == PlanKind::kDecode ? 20011 : 1000};
+    s.options.causal = kind == PlanKind::kPrefill;
+    s.seed = 606;
+    Case c = make_case(s);
+    DeviceCase dev(c);
+    const int32_t first = c.ragged.indptr.ptr<const int32_t>()[0];
+    auto rows = [&](TensorView t) {  // the request's K/V rows
+      t.data = static_cast<uint8_t*>(t.data) + first * t.strides[0] * dtype_bytes(t.dtype);
+      t.shape[0] = s.kv_lens[0];
+      return t;
+    };
+    const TensorView k = rows(dev.ragged.k), v = rows(dev.ragged.v);
+    const AttentionShape shape{32, 8, 128, 128, s.q_dtype, s.kv_dtype, s.o_dtype};
+    const size_t bytes = single_workspace_bytes(kind, shape, s.qo_lens[0], s.kv_lens[0], Device::cuda(0), s.options.causal);
+    void* ws = nullptr;
+    ASSERT_EQ(cudaSuccess, cudaMalloc(&ws, bytes));
+    c.poison_outputs();
+    dev.upload_outputs(c);
+    if (kind == PlanKind::kDecode) {
+      TensorView q2 = dev.q, o2 = dev.out, l1 = dev.lse;
+      q2.ndim = 2, q2.shape[0] = q2.shape[1], q2.shape[1] = q2.shape[2], q2.strides[0] = q2.strides[1], q2.strides[1] = 1;
+      o2.ndim = 2, o2.shape[0] = o2.shape[1], o2.shape[1] = o2.shape[2], o2.strides[0] = o2.strides[1], o2.strides[1] = 1;
+      l1.ndim = 1, l1.shape[0] = l1.shape[1], l1.strides[0] = l1.strides[1];
+      single_decode(q2, k, v, KVLayout::kNHD, Outputs{o2, l1}, dev.options, s.k_scale, s.v_scale, nullptr,
+                    Workspace{ws, bytes});
+    } else {
+      single_prefill(dev.q, k, v, KVLayout::kNHD, Outputs{dev.out, dev.lse}, dev.options, s.k_scale, s.v_scale,
+                     nullptr, Workspace{ws, bytes});
+    }
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    dev.download_outputs(c);
+    const Verdict verdict = check_case(c, {});
+    EXPECT_TRUE(verdict.ok) << (kind == PlanKind::kDecode ? "single_decode: " : "single_prefill: ") << verdict.message;
+    try {  // too small a workspace is refused with the size it needs
+      single_prefill(dev.q, k, v, KVLayout::kNHD, Outputs{dev.out, dev.lse}, dev.options, s.k_scale, s.v_scale,
+                     nullptr, Workspace{ws, 256});
+      if (kind == PlanKind::kPrefill) ADD_FAILURE() << "a 256-byte workspace was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("single_workspace_bytes"), std::string::npos) << e.what();
+    }
+    cudaFree(ws);
+  }
+}
