@@ -121,7 +121,7 @@ def empty(like, shape, dtype=None):
             allocator = _cupy_allocator()
         else:
             raise invalid(f"q: cannot allocate outputs for a {type(like).__name__}; pass out= (and lse=) explicitly")
-        if not _torch.compiling():  # a write that dynamo would have to replay after the graph
+        if not _torch.tracing():  # a write that dynamo would have to replay after the graph
             _ALLOCATORS[type(like)] = allocator
     return allocator(like, shape, dtype)
 

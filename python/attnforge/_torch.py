@@ -3,10 +3,10 @@
 Every operator of the package (the wrappers' run() included) is a function that writes into the arrays it is given,
 outputs allocated by its caller, and returns nothing. ``operator`` registers such a function as the torch custom
 operator ``attnforge::NAME``, mutating the arguments it names, with a fake (meta) implementation that returns
-nothing, as the real one does. While torch.compile traces, the callers' output allocations are torch.empty calls in
-the graph and the work is the custom operator, so ``torch.compile(fullgraph=True)`` traces through every operator.
-Eager calls bypass the dispatcher (it costs microseconds) and call the function directly; so do calls captured in a
-CUDA graph.
+nothing, as the real one does. While torch traces (torch.compile, torch.export, make_fx, FakeTensorMode: see
+`tracing`), the callers' output allocations are torch.empty calls in the graph and the work is the custom operator,
+so ``torch.compile(fullgraph=True)`` traces through every operator. Eager calls bypass the dispatcher (it costs
+microseconds) and call the function directly; so do calls captured in a CUDA graph.
 
 The operators are registered when attnforge is imported if torch already is, and otherwise right after torch's own
 import completes (an import hook), so the order of the two imports does not matter.
@@ -35,8 +35,10 @@ def _never():
     return False
 
 
-# torch.compiler.is_compiling once torch is seen: dynamo evaluates it to True while tracing.
-compiling = _never
+# Once torch is seen: whether torch traces, so that the operators must go through the dispatcher. Dynamo and
+# torch.export evaluate torch.compiler.is_compiling() to True; make_fx, FakeTensorMode and other Python dispatch modes
+# hand the operators tensors without data (or must see them), and are on torch's dispatch mode stack.
+tracing = _never
 
 
 def register_wrapper(wrapper):
@@ -80,7 +82,7 @@ def operator(name, mutates_args):
 
         @functools.wraps(function)
         def call(*args):
-            if compiling():
+            if tracing():
                 return getattr(_torch.ops.attnforge, name)(*args)
             return function(*args)
 
@@ -90,11 +92,17 @@ def operator(name, mutates_args):
 
 
 def _register_ops(torch):
-    global _torch, compiling
+    global _torch, tracing
     for name, function, mutates_args in _operators:
         _register(torch, name, function, mutates_args)
+    is_compiling = torch.compiler.is_compiling
+    dispatch_modes = torch._C._len_torch_dispatch_stack
+
+    def torch_traces():
+        return is_compiling() or dispatch_modes() > 0  # dynamo stops at the first: a constant True for it
+
     _torch = torch
-    compiling = torch.compiler.is_compiling
+    tracing = torch_traces
 
 
 def ensure_registered():

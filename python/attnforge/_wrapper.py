@@ -134,7 +134,7 @@ class BatchWrapper:
         if out is None or (lse is None and return_lse):  # the shape tuple costs time on the hot path (out= given)
             out, lse = outputs(q, out, lse, (q.shape[0], self._num_qo_heads, self._head_dim_vo), self._o_dtype_name,
                                return_lse)
-        if _torch.compiling():
+        if _torch.tracing():
             _batch_run(self._handle, q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale,
                        k_scale, v_scale, sinks)
         else:
@@ -151,7 +151,7 @@ class BatchWrapper:
 
     def _run_variant(self, q, kv_a, kv_b, out, lse, return_lse, sm_scale, k_scale, v_scale, variant, scalars,
                      tensors):
-        if _torch.compiling():
+        if _torch.tracing():
             raise NotImplementedError("run(variant=...): custom variants are not registered as torch custom ops")
         out, lse = outputs(q, out, lse, (q.shape[0], self._num_qo_heads, self._head_dim_vo), self._o_dtype_name,
                            return_lse)

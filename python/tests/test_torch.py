@@ -240,26 +240,39 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_custom_operator_opcheck(rng, name, monkeypatch):
-    """Eager calls made to go through the dispatcher (as torch.compile's do) give the reference result, and
-    torch.library.opcheck validates each operator met: its schema (mutated arguments declared), its fake
-    implementation under FakeTensorMode and its tracing by AOTAutograd with dynamic shapes."""
-    _opcheck(CASES[name](rng, "cpu"), monkeypatch)
+def test_custom_operator_opcheck(rng, name):
+    """Under a dispatch mode (here one that records), eager calls go through the dispatcher and give the reference
+    result, and torch.library.opcheck validates each operator met: its schema (mutated arguments declared), its
+    fake implementation under FakeTensorMode and its tracing by AOTAutograd with dynamic shapes."""
+    _opcheck(CASES[name](rng, "cpu"))
 
 
 @cuda
-def test_cuda_batch_run_opcheck(rng, monkeypatch):
-    _opcheck(_batch_decode(rng, "cuda"), monkeypatch)
+def test_cuda_batch_run_opcheck(rng):
+    _opcheck(_batch_decode(rng, "cuda"))
 
 
-def _opcheck(case, monkeypatch):
+def _opcheck(case):
     make, call, check = case
-    monkeypatch.setattr(flashinfer._torch, "compiling", lambda: True)
     with _Recorder() as recorder:
         check(call(*make()))
     assert recorder.calls, "no attnforge custom operator was called"
     for func, args, kwargs in recorder.calls:
         torch.library.opcheck(func, args, kwargs)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_make_fx_and_fake_tensor_mode(rng, name):
+    """make_fx (symbolic shapes) records the operators; under FakeTensorMode an eager call gives outputs of the
+    shapes, dtypes and devices the real call gives, without running anything."""
+    make, call, _ = CASES[name](rng, "cpu")
+    graph = torch.fx.experimental.proxy_tensor.make_fx(lambda *args: call(*args), tracing_mode="symbolic")(*make())
+    assert any(str(node.target).startswith("attnforge.") for node in graph.graph.nodes)
+    real = call(*make())
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = call(*(mode.from_tensor(t) for t in make()))
+    real, fake = (x if isinstance(x, tuple) else (x,) for x in (real, fake))
+    assert [(t.shape, t.dtype, t.device) for t in fake] == [(t.shape, t.dtype, t.device) for t in real]
 
 
 def test_errors_keep_their_class_through_the_custom_operator(rng):
