@@ -34,6 +34,7 @@
 #include "jit/kernel_cache.h"
 #include "jit/kernel_key.h"
 #include "jit/nvrtc_compiler.h"
+#include "testing/variant_reference.h"
 
 extern char** environ;
 
@@ -108,7 +109,7 @@ void write_all(const fs::path& p, const std::string& bytes) {
 
 fs::path entry_path(const fs::path& dir, const KernelKey& key) {
   const KernelSource src = key.render();
-  return dir / entry_file_name(src.name, cache_key(src, compile_options(src.arch)));
+  return dir / entry_file_name(src.name, cache_key(src, compile_options(src.arch, src.default_device)));
 }
 
 // ---- compiling ----
@@ -153,6 +154,39 @@ TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
         }
   const std::vector<std::string> failures = compile_all(keys, /*no_spills=*/true);
   for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
+}
+
+// Custom variants (testing/variant_reference.h: sigmoid without softmax, a per-head bias with its own mask, logits
+// written to a tensor, and the built-in options as hooks) in the decode kernel, for sm_80 and sm_90a, with
+// NVRTC's -default-device for their plain C++ hooks; names carry the source hash. Prefill takes none yet.
+TEST(JitCompile, CustomVariantsInTheDecodeKernel) {
+  std::vector<KernelKey> keys;
+  for (const char* arch : {"sm_80", "sm_90a"})
+    for (const CustomVariant* v : {&attnforge::testing::Sigmoid_variant, &attnforge::testing::HeadBias_variant,
+                                   &attnforge::testing::LogitsOut_variant}) {
+      KernelKey k = decode_key(AttentionShape{28, 4, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kFloat32}, arch);
+      k.set_variant(v->name, v->source);
+      keys.push_back(k);
+    }
+  KernelKey builtin = decode_key(AttentionShape{32, 8, 64, 64, DType::kFloat16, DType::kFloat16, DType::kFloat16}, "sm_90a");
+  builtin.set_variant(builtin_variant().name, builtin_variant().source);
+  keys.push_back(builtin);
+  const std::vector<std::string> failures = compile_all(keys, /*no_spills=*/false);
+  for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
+  EXPECT_NE(keys[0].name().find("decode_Sigmoid_"), std::string::npos) << keys[0].name();
+  KernelKey other = keys[0];
+  other.set_variant("Sigmoid", attnforge::testing::Sigmoid_variant.source + " ");
+  EXPECT_NE(other.name(), keys[0].name()) << "another source under the same name must be another kernel";
+  KernelKey prefill = prefill_key(AttentionShape{32, 8, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16},
+                                  "sm_90a", false);
+  prefill.set_variant("Sigmoid", attnforge::testing::Sigmoid_variant.source);
+  try {
+    prefill.validate();
+    ADD_FAILURE() << "a custom variant in a prefill key was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("custom variants run in the decode kernel only so far"), std::string::npos)
+        << e.what();
+  }
 }
 
 // Every built-in prefill configuration run() launches (head_dim 64/128/256 x fp16/bf16 x RoPE off/on, the default
@@ -249,7 +283,8 @@ TEST(JitKey, NamesAndRejectedFields) {
       {[](KernelKey& b) { b.decode_tile.stages = 5; }, "decode_tile.stages 5: the decode kernel takes {2, 3}"},
       {[](KernelKey& b) { b.decode_tile.stages = 4; },
        "decode_tile.stages 4: the decode kernel takes {2, 3} ({2, 3, 4} with fp8 K/V)"},
-      {[](KernelKey& b) { b.variant = "sigmoid"; }, "custom variants are not built yet"},
+      {[](KernelKey& b) { b.variant = "sigmoid"; }, "variant sigmoid: no source; set custom variants with KernelKey::set_variant"},
+      {[](KernelKey& b) { b.variant_source = "struct X {};"; }, "variant builtin: takes no variant_source"},
       {[](KernelKey& b) { b.rope = true; },
        "rope true: the decode kernel reads RoPE from params at run time; a decode key takes {false}"},
       {[](KernelKey& b) { b.prefill_tile.stage_steps = 2; },

@@ -234,7 +234,8 @@ void BatchAttention::run_variant(nb::handle q, nb::handle kv_a, nb::handle kv_b,
   for (size_t i = 0; i < tensors.size(); ++i)
     inputs.tensors.push_back(view_of(tensors[i], fmt::format("variant_tensors[{}]", i).c_str()).data);
   nb::gil_scoped_release release;  // the first call compiles the variant (seconds); other threads may run
-  attnforge::run_variant(plan_, c.q, c.paged, c.outputs, c.options, variant, inputs, Workspace{ws_, ws_usable_});
+  attnforge::run_variant(plan_, c.q, c.paged, c.outputs, c.options, variant, inputs, Workspace{ws_, ws_usable_},
+                         c.stream);
 }
 
 double BatchAttention::time_repeated_run(nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::handle out,

@@ -4,6 +4,7 @@
 
 #include "attnforge/config.h"
 #include "attnforge/kernel/op_params.h"
+#include "attnforge/kernel/variant_hooks.h"
 #include "attnforge/ops.h"
 #include "attnforge/plan.h"
 
@@ -33,6 +34,10 @@ class Backend {
   }
   // Runs a planned batch; `kind` picks the kernel family (decode or prefill) the plan was cut for.
   virtual void attention(const AttentionParams& params, PlanKind kind, Stream stream) = 0;
+  // A custom variant (attnforge/variant.h) over a planned batch; `args.options` is filled by the backend. Device
+  // backends only: the CPU runs variants through the host compiler (jit/variant.cc).
+  virtual void attention_variant(const AttentionParams& params, PlanKind kind, const std::string& name,
+                                 const std::string& source, const VariantArgs& args, Stream stream);
   virtual void merge_states(const MergeStatesParams& params, Stream stream) = 0;
   virtual void append_kv(const AppendKVParams& params, Stream stream) = 0;
   virtual void rope(const RopeApplyParams& params, Stream stream) = 0;

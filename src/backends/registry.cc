@@ -21,6 +21,11 @@ const char* kDevicesBuilt =
 #endif
 }  // namespace
 
+void Backend::attention_variant(const AttentionParams&, PlanKind, const std::string& name, const std::string&,
+                                const VariantArgs&, Stream) {
+  fail(ErrorKind::kUnsupported, "variant {} on the {} backend: not supported there", name, this->name());
+}
+
 Backend& backend_for(Device device) {
   switch (device.type) {
     case DeviceType::kCPU: return cpu_backend();

@@ -214,7 +214,7 @@ const char* to_string(Origin origin) {
 Lookup KernelCache::get(const KernelSource& source, const CacheSettings& settings) {
   Lookup out;
   const bool host = source.arch == kHostArch;
-  out.key = cache_key(source, host ? host_compile_options() : compile_options(source.arch));
+  out.key = cache_key(source, host ? host_compile_options() : compile_options(source.arch, source.default_device));
   const std::string hex = out.key.hex();
   {
     std::unique_lock<std::mutex> lock(mutex_);

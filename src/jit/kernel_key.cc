@@ -35,7 +35,8 @@ const char* to_string(KernelFamily family) { return family == KernelFamily::kPre
 std::string KernelKey::name() const {
   std::string arch_short = arch;
   if (arch_short.rfind("sm_", 0) == 0) arch_short.erase(2, 1);  // "sm90a"
-  const std::string variant_part = variant == "builtin" ? "" : "_" + variant;
+  // A custom variant's name carries 8 hex digits of its source's hash: two sources under one name get two kernels.
+  const std::string variant_part = variant == "builtin" ? "" : "_" + variant + "_" + variant_hash.hex().substr(0, 8);
   if (family == KernelFamily::kPrefill) {
     const std::string tile_part =
         prefill_tile == PrefillTile{} ? "" : fmt::format("_stage{}", prefill_stage_tokens());
@@ -52,9 +53,19 @@ void KernelKey::validate() const {
     detail::fail(ErrorKind::kUnsupported, "kernel family {}: the run-time compiler builds {{decode, prefill}}",
                  static_cast<int>(family));
   const char* kernel = to_string(family);
-  if (variant != "builtin")
-    detail::fail(ErrorKind::kUnsupported, "variant {}: custom variants are not built yet; accepted: {{builtin}}",
-                 variant);
+  if (variant != "builtin") {
+    if (family != KernelFamily::kDecode)
+      detail::fail(ErrorKind::kUnsupported, "variant {}: custom variants run in the decode kernel only so far; "
+                   "accepted for {}: {{builtin}}", variant, kernel);
+    if (variant_source.empty() || variant_hash == Hash128{})
+      detail::fail(ErrorKind::kUnsupported, "variant {}: no source; set custom variants with KernelKey::set_variant",
+                   variant);
+    if (kv_dtype != q_dtype)
+      detail::fail(ErrorKind::kUnsupported, "variant {} with kv_dtype {}: custom variants take K/V in Q's dtype {{{}}}",
+                   variant, to_string(kv_dtype), to_string(q_dtype));
+  } else if (!variant_source.empty()) {
+    detail::fail(ErrorKind::kUnsupported, "variant builtin: takes no variant_source");
+  }
   if (q_dtype != DType::kBFloat16 && q_dtype != DType::kFloat16)
     detail::fail(ErrorKind::kUnsupported, "q_dtype {}: the {} kernel takes {{bfloat16, float16}}", to_string(q_dtype),
                  kernel);
@@ -101,13 +112,18 @@ KernelSource KernelKey::render() const {
   s.name = name();
   s.arch = arch;
   s.warmup_command = warmup_command();
+  s.default_device = variant != "builtin";
+  if (s.default_device)
+    s.warmup_command = "a run_variant() call with the cache mode on (custom variants are not in attnforge warmup)";
   const bool prefill = family == KernelFamily::kPrefill;
   const std::string traits =
       prefill ? fmt::format("attnforge::cuda::PrefillTraits<{}, {}, {}, {}>", head_dim_qk, elem_type(q_dtype), rope,
                             prefill_stage_tokens())
               : fmt::format("attnforge::cuda::DecodeTraits<{}, {}, {}, {}>", head_dim_qk, elem_type(q_dtype),
                             decode_tile.stages, elem_type(kv_dtype));
-  const std::string kernel = fmt::format("attnforge::cuda::{}_kernel<{}>", to_string(family), traits);
+  const bool custom = variant != "builtin";
+  const std::string kernel = custom ? fmt::format("attnforge::cuda::decode_variant_kernel<{}, {}>", traits, variant)
+                                    : fmt::format("attnforge::cuda::{}_kernel<{}>", to_string(family), traits);
   s.entry_points = {"&" + kernel, "&attnforge::cuda::merge_kernel"};
   const std::string tile = prefill
                                ? fmt::format("rope {}, stage tokens {}", rope ? "on" : "off", prefill_stage_tokens())
@@ -116,10 +132,18 @@ KernelSource KernelKey::render() const {
       "// attnforge run-time kernel {}: family {}, variant {}, q {}, kv {}, head_dim {}/{}, {}, {}\n"
       "#include \"backends/cuda/{}/{}_kernel.cuh\"\n"
       "#include \"backends/cuda/merge/merge_kernel.cuh\"\n"
-      "template __global__ void {}(const attnforge::AttentionParams);\n",
+      "{}"
+      "template __global__ void {}(const attnforge::AttentionParams{});\n",
       s.name, to_string(family), variant, to_string(q_dtype), to_string(kv_dtype), head_dim_qk, head_dim_vo, tile,
-      arch, to_string(family), to_string(family), kernel);
+      arch, to_string(family), to_string(family), custom ? "\n" + variant_source + "\n\n" : "", kernel,
+      custom ? ", const attnforge::VariantArgs" : "");
   return s;
+}
+
+void KernelKey::set_variant(const std::string& name, const std::string& source) {
+  variant = name;
+  variant_source = source;
+  variant_hash = Hasher().field(name).field(source).digest();
 }
 
 int32_t KernelKey::prefill_stage_tokens() const {

@@ -40,9 +40,10 @@ struct PrefillTile {
 
 struct KernelKey {
   KernelFamily family = KernelFamily::kDecode;
-  // The variant: "builtin" (kernel/variant.h, with zero hash) until custom variants exist; a custom variant
-  // will carry the hash of its source text here (docs/design.md, "Custom variants").
+  // The variant: "builtin" (the options of kernel/variant.h, read at run time), or a custom variant's struct name
+  // with its source (decode only so far; set both with set_variant, which also fills variant_hash).
   std::string variant = "builtin";
+  std::string variant_source;
   Hash128 variant_hash;
   DType q_dtype = DType::kBFloat16;
   DType kv_dtype = DType::kBFloat16;
@@ -56,6 +57,9 @@ struct KernelKey {
   std::string arch = "sm_90a";  // arch_for_device()
 
   bool operator==(const KernelKey&) const = default;
+
+  // A custom variant: `name` is its struct, `source` its definition (attnforge/variant.h).
+  void set_variant(const std::string& name, const std::string& source);
 
   // "decode_d128_bf16_st2_sm90a", "prefill_d128_bf16_rope_sm90a"; fp8 K/V adds its format
   // ("decode_d128_bf16_e4m3_st4_sm90a"), a prefill tile other than the default "_stage64" (its K/V tokens per

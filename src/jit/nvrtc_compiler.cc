@@ -53,8 +53,10 @@ std::string arch_for_device(int major, int minor) {
   return major == 9 && minor == 0 ? "sm_90a" : base;
 }
 
-std::vector<std::string> compile_options(const std::string& arch) {
-  return {"--gpu-architecture=" + arch, "-std=c++17", "-lineinfo", "--ptxas-options=--warn-on-spills"};
+std::vector<std::string> compile_options(const std::string& arch, bool default_device) {
+  std::vector<std::string> o = {"--gpu-architecture=" + arch, "-std=c++17", "-lineinfo", "--ptxas-options=--warn-on-spills"};
+  if (default_device) o.push_back("-default-device");
+  return o;
 }
 
 CompiledModule compile(const KernelSource& src, std::span<const EmbeddedHeader> headers) {
@@ -69,7 +71,7 @@ CompiledModule compile(const KernelSource& src, std::span<const EmbeddedHeader> 
               "nvrtcCreateProgram", src.name);
   for (const std::string& e : src.entry_points)
     check_nvrtc(nvrtcAddNameExpression(p.prog, e.c_str()), "nvrtcAddNameExpression", src.name);
-  const std::vector<std::string> options = compile_options(src.arch);
+  const std::vector<std::string> options = compile_options(src.arch, src.default_device);
   std::vector<const char*> opts;
   for (const std::string& o : options) opts.push_back(o.c_str());
   const nvrtcResult r = nvrtcCompileProgram(p.prog, static_cast<int>(opts.size()), opts.data());

@@ -16,6 +16,9 @@ struct KernelSource {
   std::vector<std::string> entry_points;  // NVRTC name expressions, e.g. "&attnforge::cuda::merge_kernel"
   std::string arch;                       // "sm_80", "sm_86", "sm_89", "sm_90a", ...
   std::string warmup_command;             // how a user builds it ahead of time (for the cache's off mode)
+  // Unannotated functions compile as device functions (NVRTC's -default-device): custom variants, whose plain
+  // C++ hooks also compile for the CPU, get it; the library's own kernels, annotated throughout, do not.
+  bool default_device = false;
 };
 
 // A compiled cubin and the lowered (mangled) names cuModuleGetFunction needs, one per entry point, in order.
@@ -41,7 +44,7 @@ std::string arch_for_device(int major, int minor);
 
 // The NVRTC options for `arch`: the same code generation as the nvcc build (-O3 device code, FMA contraction on,
 // no fast math), line info for profilers, and ptxas spill warnings in the log.
-std::vector<std::string> compile_options(const std::string& arch);
+std::vector<std::string> compile_options(const std::string& arch, bool default_device = false);
 
 // Compiles to a cubin; throws Error(kBackend) with NVRTC's log on failure.
 CompiledModule compile(const KernelSource& source, std::span<const EmbeddedHeader> headers = embedded_headers());

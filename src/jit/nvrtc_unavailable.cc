@@ -19,7 +19,7 @@ namespace {
 NvrtcVersion nvrtc_version() { return {}; }
 std::vector<std::string> nvrtc_archs() { return {}; }
 std::string arch_for_device(int major, int minor) { no_nvrtc("compute capability " + std::to_string(major) + "." + std::to_string(minor)); }
-std::vector<std::string> compile_options(const std::string&) { return {}; }
+std::vector<std::string> compile_options(const std::string&, bool) { return {}; }
 CompiledModule compile(const KernelSource& source, std::span<const EmbeddedHeader>) { no_nvrtc("kernel " + source.name); }
 
 }  // namespace attnforge::jit

@@ -81,7 +81,7 @@ CustomVariant builtin_variant() { return {"BuiltinVariant", "using BuiltinVarian
 
 void run_variant(const AttentionPlan& plan, const TensorView& q, const PagedKVCache& kv, const Outputs& outputs,
                  const AttentionOptions& options, const CustomVariant& variant, const VariantInputs& inputs,
-                 const Workspace& workspace) {
+                 const Workspace& workspace, Stream stream) {
   const bool identifier = !variant.name.empty() && !std::isdigit(static_cast<unsigned char>(variant.name[0])) &&
                           std::all_of(variant.name.begin(), variant.name.end(),
                                       [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
@@ -89,22 +89,29 @@ void run_variant(const AttentionPlan& plan, const TensorView& q, const PagedKVCa
   if (inputs.scalars.size() > kMaxVariantScalars || inputs.tensors.size() > kMaxVariantTensors)
     detail::fail_arg("inputs: {} scalars and {} tensors; at most {} and {}", inputs.scalars.size(),
                      inputs.tensors.size(), kMaxVariantScalars, kMaxVariantTensors);
-  if (plan.device.type != DeviceType::kCPU)
-    fail(ErrorKind::kUnsupported, "variant {} on {}: custom variants run on the CPU for now (CUDA: docs/design.md, "
-         "\"Custom variants\")", variant.name, to_string(plan.device));
+  if (plan.device.type != DeviceType::kCPU && plan.device.type != DeviceType::kCUDA)
+    fail(ErrorKind::kUnsupported, "variant {} on {}: custom variants run on {{cpu, cuda}}", variant.name,
+         to_string(plan.device));
   if (!plan.merges.empty())
     fail(ErrorKind::kUnsupported, "variant {}: the plan splits KV ({} merges); custom variants need a plan made with "
          "PlanOptions::disable_split = true", variant.name, plan.merges.size());
   detail::PreparedRun prepared;
   detail::prepare_run(prepared, plan, q, detail::paged_run_params(plan, kv), kv.k, kv.v, kv.layout, outputs, options,
                       workspace);
-  const VariantLibrary& lib = load(variant);
   VariantArgs args{};
-  args.options = &prepared.params.variant;
+  args.options = &prepared.params.variant;  // the CUDA kernel points it at its own copy
   args.num_scalars = static_cast<int32_t>(inputs.scalars.size());
   for (size_t i = 0; i < inputs.scalars.size(); ++i) args.scalars[i] = inputs.scalars[i];
   args.num_tensors = static_cast<int32_t>(inputs.tensors.size());
   for (size_t i = 0; i < inputs.tensors.size(); ++i) args.tensors[i] = inputs.tensors[i];
+  if (plan.device.type == DeviceType::kCUDA) {
+    if (plan.shape.kv_dtype != plan.shape.q_dtype)
+      fail(ErrorKind::kUnsupported, "variant {} with kv_dtype {}: on CUDA custom variants take K/V in q_dtype {{{}}}",
+           variant.name, to_string(plan.shape.kv_dtype), to_string(plan.shape.q_dtype));
+    prepared.backend->attention_variant(prepared.params, plan.kind, variant.name, variant.source, args, stream);
+    return;
+  }
+  const VariantLibrary& lib = load(variant);
   const cpu::HostServices services{&cpu::load_row, &cpu::store_row};
   lib.attention(&prepared.params, &args, &services);
 }

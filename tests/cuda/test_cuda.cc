@@ -13,9 +13,11 @@
 #include <tuple>
 
 #include "attnforge/jit.h"
+#include "attnforge/variant.h"
 #include "testing/compare.h"
 #include "testing/device_case.h"
 #include "testing/registry.h"
+#include "testing/variant_reference.h"
 
 using namespace attnforge;
 using namespace attnforge::testing;
@@ -572,3 +574,60 @@ TEST(CudaJit, NvrtcPrefillKernelsGiveTheBitsOfNvccKernels) {
 }
 
 }  // namespace
+
+// Custom variants in the CUDA decode kernel (NVRTC), against the float64 reference that runs the same structs
+// (testing/variant_reference.h): sigmoid attention with softmax off (a scalar input) and a per-head logit bias
+// read from a device tensor with a causal mask from the variant. bf16 Q/K/V, fp32 output; the tolerance is twice
+// the error of the same computation with the P V weights rounded to bf16 (what the tensor cores read), plus fp32
+// accumulation slack.
+TEST(CudaVariants, CustomVariantsInTheDecodeKernel) {
+  CaseSpec s;
+  s.kind = PlanKind::kDecode;
+  s.num_qo_heads = 28, s.num_kv_heads = 4, s.head_dim_qk = 128, s.page_size = 16;
+  s.qo_lens = {1, 3, 2};
+  s.kv_lens = {700, 129, 33};
+  s.o_dtype = DType::kFloat32;
+  s.seed = 404;
+  for (int which = 0; which < 2; ++which) {
+    Case c = make_case(s);
+    DeviceCase dev(c);
+    BatchPlanArgs args = c.plan_args();
+    args.device = Device::cuda(0);
+    args.options.disable_split = true;
+    AttentionPlan plan = plan_batch_decode(args);
+    void* ws = nullptr;
+    void* staging = nullptr;
+    float* bias_dev = nullptr;
+    ASSERT_EQ(cudaSuccess, cudaMalloc(&ws, plan.workspace_bytes));
+    ASSERT_EQ(cudaSuccess, cudaMallocHost(&staging, plan.staging_bytes));
+    std::vector<float> bias(s.num_qo_heads);
+    for (int h = 0; h < s.num_qo_heads; ++h) bias[h] = 0.25f * static_cast<float>(h % 5) - 0.5f;
+    ASSERT_EQ(cudaSuccess, cudaMalloc(&bias_dev, bias.size() * sizeof(float)));
+    ASSERT_EQ(cudaSuccess, cudaMemcpy(bias_dev, bias.data(), bias.size() * sizeof(float), cudaMemcpyHostToDevice));
+    const Workspace w{ws, plan.workspace_bytes};
+    upload_plan(plan, w, staging, plan.staging_bytes, nullptr);
+    c.poison_outputs();
+    dev.upload_outputs(c);
+    const VariantInputs device_in = which == 0 ? VariantInputs{{-2.5f}, {}} : VariantInputs{{}, {bias_dev}};
+    const VariantInputs host_in = which == 0 ? VariantInputs{{-2.5f}, {}} : VariantInputs{{}, {bias.data()}};
+    run_variant(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, which == 0 ? Sigmoid_variant : HeadBias_variant,
+                device_in, w, nullptr);
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    dev.download_outputs(c);
+    const VariantParams none{};
+    const VariantArgs a = args_for(host_in, none);
+    const std::vector<double> ref = which == 0 ? reference<Sigmoid>(c, a) : reference<HeadBias>(c, a);
+    const std::vector<double> naive = which == 0 ? reference<Sigmoid>(c, a, true) : reference<HeadBias>(c, a, true);
+    double naive_err = 0, ref_max = 0;
+    for (size_t i = 0; i < ref.size(); ++i)
+      naive_err = std::max(naive_err, std::abs(naive[i] - ref[i])), ref_max = std::max(ref_max, std::abs(ref[i]));
+    const double tol = 2 * naive_err + 1e-5 * (1 + ref_max);
+    const double worst = worst_error(c, ref, /*relative=*/false);
+    EXPECT_LE(worst, tol) << (which == 0 ? "Sigmoid" : "HeadBias") << ": worst error " << worst << ", tolerance "
+                          << tol << " (naive bf16-P error " << naive_err << ")";
+    EXPECT_GT(naive_err, 0) << "the rounded baseline must differ from the exact one, or the tolerance means nothing";
+    cudaFree(ws);
+    cudaFreeHost(staging);
+    cudaFree(bias_dev);
+  }
+}

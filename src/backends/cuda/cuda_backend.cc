@@ -143,6 +143,19 @@ class CudaBackend final : public Backend {
       cuda::run_decode(p, cuda_stream);
   }
 
+  // Custom variants compile through NVRTC whatever ATTNFORGE_KERNELS says (nvcc cannot know them).
+  void attention_variant(const AttentionParams& p, PlanKind kind, const std::string& name, const std::string& source,
+                         const VariantArgs& args, Stream stream) override {
+    if (kind != PlanKind::kDecode)
+      fail(ErrorKind::kUnsupported, "variant {} on cuda:{}: custom variants run in the CUDA decode kernel only so far "
+           "(plan with plan_batch_decode, or run the variant on the CPU)", name, device_);
+    DeviceGuard guard(device_);
+    const AttentionShape shape{p.num_qo_heads, p.num_kv_heads, p.head_dim_qk, p.head_dim_vo,
+                               p.q_dtype,      p.kv.dtype,     p.o_dtype};
+    jit::KernelKey key = jit_kernels().key_for(kind, shape);
+    key.set_variant(name, source);
+    jit_kernels().run_variant(p, key, args, static_cast<cudaStream_t>(stream));
+  }
   void merge_states(const MergeStatesParams&, Stream) override { unsupported("merge_state(s)"); }
   void append_kv(const AppendKVParams&, Stream) override { unsupported("append_paged_kv_cache"); }
   void rope(const RopeApplyParams&, Stream) override { unsupported("apply_rope"); }

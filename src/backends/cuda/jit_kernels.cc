@@ -113,4 +113,17 @@ void JitKernels::run(const AttentionParams& p, PlanKind kind, cudaStream_t strea
   if (c.run_merge) launch(k.merge, c.merge);
 }
 
+void JitKernels::run_variant(const AttentionParams& p, const jit::KernelKey& key, const VariantArgs& args,
+                             cudaStream_t stream) {
+  const Kernels& k = kernels(key);
+  const LaunchConfig c = launch_config(k.key, p);
+  AttentionParams params = p;
+  VariantArgs variant_args = args;
+  void* kernel_args[] = {&params, &variant_args};
+  const KernelDims& dims = c.attention;
+  ATTNFORGE_CU_CHECK(driver().cuLaunchKernel(k.attention, dims.grid.x, dims.grid.y, dims.grid.z, dims.block.x,
+                                             dims.block.y, dims.block.z, dims.smem_bytes,
+                                             static_cast<CUstream>(stream), kernel_args, nullptr));
+}
+
 }  // namespace attnforge::cuda

@@ -15,6 +15,7 @@
 
 #include "attnforge/config.h"
 #include "attnforge/kernel/params.h"
+#include "attnforge/kernel/variant_hooks.h"
 #include "backends/cuda/kernel_config.h"
 #include "jit/kernel_key.h"
 
@@ -41,6 +42,9 @@ class JitKernels {
   // run() nor a graph capture ever compiles; the count is the plain kernel's, as in the nvcc build.
   int ctas_per_sm(const AttentionShape& shape, PlanKind kind);
   void run(const AttentionParams& p, PlanKind kind, cudaStream_t stream);
+  // A custom variant's decode kernel (`key` from key_for and KernelKey::set_variant), compiled or loaded on first
+  // use. Plans with split KV are refused by run_variant before this.
+  void run_variant(const AttentionParams& p, const jit::KernelKey& key, const VariantArgs& args, cudaStream_t stream);
 
  private:
   // run() finds the kernels of the shapes run() accepts (decode with K/V in Q's dtype, e4m3 or e5m2, prefill,

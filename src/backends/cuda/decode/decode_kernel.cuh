@@ -18,6 +18,7 @@
 #include "attnforge/kernel/params.h"
 #include "attnforge/kernel/state.h"
 #include "attnforge/kernel/variant.h"
+#include "attnforge/kernel/variant_hooks.h"
 #include "backends/cuda/decode/decode_defaults.cuh"
 #include "backends/cuda/device/fp8.cuh"
 #include "backends/cuda/device/ptx.cuh"
@@ -114,8 +115,71 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
   }
 }
 
-template <class Tr>
-__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kernel(const AttentionParams p) {
+// The built-in options, read from VariantParams at run time: the kernels run() launches. A custom variant V (a
+// VariantBase with hooks, attnforge/variant.h) replaces them: V's logits_mask decides which keys a query sees,
+// logits_transform acts on the scaled logit, query/key/output transforms act on fp32 rows, and V::kSoftmax false
+// sums p v without normalizing (LSE then NaN); sinks still join a softmax. Hooks V leaves at VariantBase's
+// identity are not called.
+struct BuiltinOptions {
+  static constexpr bool kSoftmax = true;
+};
+template <class A, class B>
+struct SameType {
+  static constexpr bool value = false;
+};
+template <class A>
+struct SameType<A, A> {
+  static constexpr bool value = true;
+};
+template <class V>
+struct OverriddenHooks {
+  static constexpr bool kQuery = &V::query_transform != &VariantBase::query_transform;
+  static constexpr bool kKey = &V::key_transform != &VariantBase::key_transform;
+  static constexpr bool kOutput = &V::output_transform != &VariantBase::output_transform;
+};
+
+// finish_rows for a custom variant (never split: run_variant refuses plans with merges): one thread per row, so
+// the output transform sees the whole row in fp32.
+template <class Tr, class V>
+__device__ __forceinline__ void finish_rows_variant(const AttentionParams& p, const VariantArgs& va, const WorkItem& it,
+                                                    const DecodeMergeSmem<Tr>& ms, int row0, int rows, int group,
+                                                    int kv_head, int qo_start, int qo_len, int kv_len) {
+  constexpr int D = Tr::kHeadDim;
+  for (int r = threadIdx.x; r < rows; r += Tr::kThreads) {
+    const float m_all = ms.row_max(r);
+    float l_all = 0.f;
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      const float m_w = ms.m[w * Tr::kRows + r];
+      if (m_w != -ATTNFORGE_INFINITY) l_all += ms.l[w * Tr::kRows + r] * exp2f(m_w - m_all);
+    }
+    const QueryRow q = query_row(it, row0 + r, group, kv_head);
+    float lse = __int_as_float(0x7fc00000);  // NaN: no LSE without softmax
+    float f = p.kv.v_scale;
+    if constexpr (V::kSoftmax) {
+      lse = l_all > 0.f ? m_all + log2f(l_all) : -ATTNFORGE_INFINITY;
+      f = l_all > 0.f ? f / l_all : 0.f;
+      f *= apply_sink(p.variant, q.head, &lse);
+    }
+    float x[D];
+    for (int d = 0; d < D; ++d) {
+      float o = 0.f;
+      for (int w = 0; w < Tr::kWarps; ++w) o += *ms.o_at(w, r, d);
+      x[d] = o * f;
+    }
+    if constexpr (OverriddenHooks<V>::kOutput) {
+      const LogitIndex li{it.request, q.tok, query_position(q.tok, qo_len, kv_len), 0, kv_len, q.head, kv_head};
+      V::output_transform(va, li, x, D);
+    }
+    const int64_t out = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head;
+    for (int d = 0; d < D; ++d) store_element(p.o, p.o_dtype, out + d, x[d]);
+    if (p.lse) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
+  }
+}
+
+template <class Tr, class V>
+__device__ __forceinline__ void decode_body(const AttentionParams& p, const VariantArgs& va) {
+  constexpr bool kCustom = !SameType<V, BuiltinOptions>::value;
+  constexpr bool kSoftmax = V::kSoftmax;
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim;
   constexpr bool kFp8 = Tr::kFp8;
@@ -133,9 +197,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int row0 = blockIdx.z * Tr::kRows;
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
-  const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
+  const bool transform = !kCustom && (vp.soft_cap > 0.f || vp.alibi_slopes != nullptr);
   const int num_items = plan.num_items;
-  const bool rope = !kFp8 && vp.rope.enabled != 0;
+  const bool rope = !kFp8 && !kCustom && vp.rope.enabled != 0;  // a custom variant does its own RoPE
   if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
 
   for (int item_index = blockIdx.x; item_index < num_items; item_index += gridDim.x) {
@@ -162,6 +226,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
       r_head[h] = q.head;
       r_pos[h] = query_position(q.tok, qo_len, kv_len);
       row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &r_lo[h], &r_hi[h]);
+      if constexpr (kCustom) {  // the variant's logits_mask decides within the item's KV
+        if (r < rows) r_lo[h] = it.kv_begin, r_hi[h] = it.kv_end;
+      }
       if (r < rows) max_lo = max(max_lo, r_lo[h]), min_hi = min(min_hi, r_hi[h]);
       if (r_lo[h] < r_hi[h]) range_lo = min(range_lo, r_lo[h]), range_hi = max(range_hi, r_hi[h]);
     }
@@ -183,7 +250,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
 
     float o_acc[D / 8][4];
     for (int n = 0; n < D / 8; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
-    float m_run[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY}, l_run[2] = {0.f, 0.f};
+    // Without softmax the running maximum stays 0, so the warps' sums meet unscaled.
+    const float m_init = kSoftmax ? -ATTNFORGE_INFINITY : 0.f;
+    float m_run[2] = {m_init, m_init}, l_run[2] = {0.f, 0.f};
 
     for (int s = 0; s < Tr::kStages - 1; ++s) {
       if (s < num_tiles) {
@@ -208,6 +277,18 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
         });
       }
     }
+    if constexpr (kCustom && !kFp8) {
+      if constexpr (OverriddenHooks<V>::kQuery) {  // Q rows in fp32 through the variant, once they have landed
+        cp_async_wait<0>();
+        __syncthreads();
+        transform_rows<D, Tr::kThreads, Elem>(sQ, rows, [&](int r, float* x) {
+          const QueryRow q = query_row(it, row0 + r, group, kv_head);
+          const LogitIndex li{b, q.tok, query_position(q.tok, qo_len, kv_len), 0, kv_len, q.head, kv_head};
+          V::query_transform(va, li, x, D);
+          return true;
+        });
+      }
+    }
     for (int t = 0; t < num_tiles; ++t) {
       cp_async_wait<Tr::kStages - 2>();
       __syncthreads();  // tile t has landed for every thread, and every warp is done with tile t - 1
@@ -226,6 +307,19 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
                                            [&](int r) {
                                              return first + r < range_hi ? first + r + rope_offset : kRopeSkipRow;
                                            });
+          __syncthreads();
+        }
+      }
+      if constexpr (kCustom && !kFp8) {
+        if constexpr (OverriddenHooks<V>::kKey) {  // K rows of this tile through the variant (query fields: -1)
+          const int first = range_lo + t * Tr::kTileTokens;
+          transform_rows<D, Tr::kThreads, Elem>(reinterpret_cast<uint16_t*>(k_tile), Tr::kTileTokens,
+                                                [&](int r, float* x) {
+                                                  if (first + r >= range_hi) return false;
+                                                  const LogitIndex li{b, -1, -1, first + r, kv_len, -1, kv_head};
+                                                  V::key_transform(va, li, x, D);
+                                                  return true;
+                                                });
           __syncthreads();
         }
       }
@@ -265,7 +359,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
       float tile_max[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY};
       // Interior tiles (every row allows all 16 tokens, no per-element transform or custom mask) skip the
       // per-element masking; the test is warp-uniform.
-      const bool plain = !transform && !vp.custom_mask && tile_start >= max_lo && tile_start + 16 <= min_hi;
+      const bool plain = !kCustom && !transform && !vp.custom_mask && tile_start >= max_lo && tile_start + 16 <= min_hi;
       if (plain) {
         for (int nt = 0; nt < 2; ++nt)
           for (int e = 0; e < 4; ++e) {
@@ -279,36 +373,48 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
             const int j = tile_start + nt * 8 + 2 * (lane % 4) + (e % 2);
             float x = s_acc[nt][e];
             bool allowed = j >= r_lo[h] && j < r_hi[h];
-            if (allowed && transform)
-              x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, r_head[h], r_pos[h], j) * kLog2e;
-            else
-              x *= scale_log2;
-            if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, r_tok[h], j, kv_len);
-            x = allowed ? x : -ATTNFORGE_INFINITY;
+            if constexpr (kCustom) {
+              if (allowed) {
+                const LogitIndex li{b, r_tok[h], r_pos[h], j, kv_len, r_head[h], kv_head};
+                allowed = V::logits_mask(va, li);
+                if (allowed) x = V::logits_transform(va, li, x * vp.sm_scale * kv.k_scale);
+              }
+              // Without softmax, p = the transformed logit and a left-out key adds nothing.
+              x = kSoftmax ? (allowed ? x * kLog2e : -ATTNFORGE_INFINITY) : (allowed ? x : 0.f);
+            } else {
+              if (allowed && transform)
+                x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, r_head[h], r_pos[h], j) * kLog2e;
+              else
+                x *= scale_log2;
+              if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, r_tok[h], j, kv_len);
+              x = allowed ? x : -ATTNFORGE_INFINITY;
+            }
             s_acc[nt][e] = x;
             tile_max[h] = fmaxf(tile_max[h], x);
           }
       }
-      float corr[2];
-      for (int h = 0; h < 2; ++h) {
-        const float m_new = fmaxf(m_run[h], warp_max_quad(tile_max[h]));
-        corr[h] = m_new == -ATTNFORGE_INFINITY ? 1.f : exp2f(m_run[h] - m_new);
-        m_run[h] = m_new;
-        l_run[h] *= corr[h];
+      if constexpr (kSoftmax) {
+        float corr[2];
+        for (int h = 0; h < 2; ++h) {
+          const float m_new = fmaxf(m_run[h], warp_max_quad(tile_max[h]));
+          corr[h] = m_new == -ATTNFORGE_INFINITY ? 1.f : exp2f(m_run[h] - m_new);
+          m_run[h] = m_new;
+          l_run[h] *= corr[h];
+        }
+        for (int nt = 0; nt < 2; ++nt)
+          for (int e = 0; e < 4; ++e) {
+            const int h = e / 2;
+            const float pr = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(s_acc[nt][e] - m_run[h]);
+            s_acc[nt][e] = pr;
+            l_run[h] += pr;
+          }
+        // Once the running maxima settle, most tiles move none of them: skip the rescale then.
+        if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
+          for (int n = 0; n < D / 8; ++n) {
+            o_acc[n][0] *= corr[0], o_acc[n][1] *= corr[0];
+            o_acc[n][2] *= corr[1], o_acc[n][3] *= corr[1];
+          }
       }
-      for (int nt = 0; nt < 2; ++nt)
-        for (int e = 0; e < 4; ++e) {
-          const int h = e / 2;
-          const float pr = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(s_acc[nt][e] - m_run[h]);
-          s_acc[nt][e] = pr;
-          l_run[h] += pr;
-        }
-      // Once the running maxima settle, most tiles move none of them: skip the rescale then.
-      if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
-        for (int n = 0; n < D / 8; ++n) {
-          o_acc[n][0] *= corr[0], o_acc[n][1] *= corr[0];
-          o_acc[n][2] *= corr[1], o_acc[n][3] *= corr[1];
-        }
 
       // O += P V: the S accumulator layout of two n8 tiles is exactly the A layout of one k16 step.
       uint32_t a_p[4];
@@ -365,10 +471,29 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kern
         }
     }
     __syncthreads();
-    finish_rows<Tr>(p, it, ms, row0, 0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
+    if constexpr (kCustom)
+      finish_rows_variant<Tr, V>(p, va, it, ms, row0, rows, group, kv_head, qo_start, qo_len, kv_len);
+    else
+      finish_rows<Tr>(p, it, ms, row0, 0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
 
     __syncthreads();  // shared memory is reused by the next item
   }
+}
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kernel(const AttentionParams p) {
+  decode_body<Tr, BuiltinOptions>(p, VariantArgs{});
+}
+
+// A custom variant V's decode kernel (NVRTC only: jit/kernel_key.h renders it with V's source). VariantArgs'
+// options point at this launch's built-in options. No register cap: hooks on fp32 rows need room, and the grid
+// loops over the items whatever the occupancy.
+template <class Tr, class V>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    decode_variant_kernel(const AttentionParams p, const VariantArgs args) {
+  VariantArgs a = args;
+  a.options = &p.variant;
+  decode_body<Tr, V>(p, a);
 }
 
 }  // namespace attnforge::cuda

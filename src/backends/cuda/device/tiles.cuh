@@ -77,6 +77,18 @@ __device__ __forceinline__ void rope_rows(uint16_t* tile, int num_rows, const Ro
   }
 }
 
+// A custom variant's row hook (query or key transform) on rows of a swizzled 16-bit tile: one thread per row,
+// the row in fp32 in local memory, rounded back to the element type. hook(row, x) does nothing for rows it skips.
+template <int D, int kThreads, typename Elem, typename Hook>
+__device__ __forceinline__ void transform_rows(uint16_t* tile, int num_rows, Hook hook) {
+  for (int row = threadIdx.x; row < num_rows; row += kThreads) {
+    float x[D];
+    for (int d = 0; d < D; ++d) x[d] = elem_to_float(tile[swizzle<D>(row, d >> 3) + (d & 7)], Elem{});
+    if (!hook(row, x)) continue;
+    for (int d = 0; d < D; ++d) tile[swizzle<D>(row, d >> 3) + (d & 7)] = float_to_elem(x[d], Elem{});
+  }
+}
+
 // Packed query row rr of a work item: rows run over the item's query tokens, and within a token over the
 // query heads of KV head `kv_head`'s group, so every K/V element loaded serves all of them.
 struct QueryRow {
