@@ -27,7 +27,7 @@ __all__ = [
     "build_info", "cuda_available", "CustomVariant", "builtin_variant",
 ]
 __version__ = _C.version()
-_torch.ensure_registered()
+_torch.register_now_or_after_torch_import()
 
 
 def build_info():

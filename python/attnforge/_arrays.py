@@ -7,7 +7,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from . import _C
+from . import _C, _torch
 from ._errors import invalid
 
 _DTYPE_ALIASES = {
@@ -25,14 +25,14 @@ _DTYPE_ALIASES = {
 }
 _ACCEPTED = "{float32, float16, bfloat16, float8_e4m3fn, float8_e5m2}"
 _NUMPY = {
-    _C.DType.float32: np.dtype(np.float32),
-    _C.DType.float16: np.dtype(np.float16),
-    _C.DType.bfloat16: np.dtype(ml_dtypes.bfloat16),
-    _C.DType.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
-    _C.DType.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2),
-    _C.DType.int32: np.dtype(np.int32),
-    _C.DType.int64: np.dtype(np.int64),
-    _C.DType.uint8: np.dtype(np.uint8),
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
 }
 
 
@@ -56,17 +56,18 @@ def dtype_name(spec):
     return _DTYPE_ALIASES.get(name, name)
 
 
-def dtype_of(spec, what):
-    """A _C.DType for a data dtype given in any of the forms dtype_name() takes."""
+def data_dtype_name(spec, what):
+    """The attnforge name of a data dtype given in any of the forms dtype_name() takes; an error naming `what` for
+    others."""
     name = dtype_name(spec)
     if name in ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"):
-        return getattr(_C.DType, name)
+        return name
     raise invalid(f"{what}: dtype {spec!r} is not accepted; expected one of {_ACCEPTED}")
 
 
-def array_dtype(a):
-    """The _C.DType of an array of any framework."""
-    return dtype_of(a.dtype, "array")
+def dtype_of(spec, what):
+    """A _C.DType for a data dtype given in any of the forms dtype_name() takes."""
+    return getattr(_C.DType, data_dtype_name(spec, what))
 
 
 def _framework(a):
@@ -80,10 +81,9 @@ def _framework(a):
 
 def _torch_allocator():
     torch = sys.modules["torch"]
-    dtypes = {d: getattr(torch, d.name) for d in _NUMPY}
 
     def empty(like, shape, dtype):
-        return torch.empty(shape, dtype=dtypes[dtype], device=like.device)
+        return torch.empty(shape, dtype=like.dtype if dtype is None else getattr(torch, dtype), device=like.device)
 
     return empty
 
@@ -92,23 +92,24 @@ def _cupy_allocator():
     cupy = sys.modules["cupy"]
 
     def empty(like, shape, dtype):
-        if dtype == _C.DType.bfloat16 or dtype in (_C.DType.float8_e4m3fn, _C.DType.float8_e5m2):
-            raise invalid(f"out: cupy has no {dtype.name} arrays; pass out= and lse= (e.g. torch tensors)")
+        if dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+            raise invalid(f"out: cupy has no {dtype} arrays; pass out= and lse= (e.g. torch tensors)")
         with like.device:
-            return cupy.empty(shape, dtype=_NUMPY[dtype])
+            return cupy.empty(shape, dtype=like.dtype if dtype is None else _NUMPY[dtype])
 
     return empty
 
 
 def _numpy_empty(like, shape, dtype):
-    return np.empty(shape, dtype=_NUMPY[dtype])
+    return np.empty(shape, dtype=like.dtype if dtype is None else _NUMPY[dtype])
 
 
 _ALLOCATORS = {}
 
 
-def empty(like, shape, dtype):
-    """An uninitialized array of `shape` and `dtype` (a _C.DType) in the framework and on the device of `like`."""
+def empty(like, shape, dtype=None):
+    """An uninitialized array of `shape` in the framework and on the device of `like`; `dtype` is an attnforge
+    dtype name (dtype_name()), None for like's. Traceable by torch.compile (dynamo) for torch tensors."""
     allocator = _ALLOCATORS.get(type(like))
     if allocator is None:
         framework = _framework(like)
@@ -120,8 +121,19 @@ def empty(like, shape, dtype):
             allocator = _cupy_allocator()
         else:
             raise invalid(f"q: cannot allocate outputs for a {type(like).__name__}; pass out= (and lse=) explicitly")
-        _ALLOCATORS[type(like)] = allocator
+        if not _torch.tracing():  # a write that dynamo would have to replay after the graph
+            _ALLOCATORS[type(like)] = allocator
     return allocator(like, shape, dtype)
+
+
+def outputs(like, out, lse, out_shape, dtype=None, with_lse=True):
+    """(out, lse) as given, or allocated beside `like`: out [*out_shape] of `dtype` (a name; None for like's), lse
+    float32 [*out_shape[:-1]] (None unless with_lse)."""
+    if out is None:
+        out = empty(like, out_shape, dtype)
+    if lse is None and with_lse:
+        lse = empty(like, out_shape[:-1], "float32")
+    return out, lse
 
 
 def host_array(a, dtype, what):
@@ -193,6 +205,14 @@ def current_stream(like, device_index):
             getter = lambda index: 0  # noqa: E731
         _STREAM_GETTERS[type(like)] = getter
     return getter(device_index)
+
+
+def stream_for(like, stream):
+    """`stream` when given, else the current stream of `like`'s framework on its device (0 on the CPU)."""
+    if stream is not None:
+        return stream
+    kind, index = device_of(like)
+    return current_stream(like, index) if kind == "cuda" else 0
 
 
 def is_torch(a):

@@ -1,11 +1,13 @@
 """What the three batch wrappers share: the workspace, plan() into the C++ BatchAttention, and run()."""
+from typing import Optional
+
 import numpy as np
 
 from . import _C, _torch
-from ._arrays import current_stream, device_of, dtype_name, dtype_of, empty, host_array, layout_of
+from ._arrays import current_stream, device_of, dtype_name, dtype_of, host_array, layout_of, outputs
 from ._errors import invalid
+from ._torch import Tensor
 
-_FLOAT32 = _C.DType.float32
 _PLACEMENT_ORDER = ("kv_indptr", "last_page_len", "seq_lens", "alibi_slopes", "mask_indptr", "kv_indices",
                     "block_table", "mask")
 
@@ -122,7 +124,6 @@ class BatchWrapper:
         self._qo_indptr_host = qo_indptr
         self._num_qo_heads = shape.num_qo_heads
         self._head_dim_vo = shape.head_dim_vo
-        self._o_dtype = shape.o_dtype
         self._cached_q_data_type = shape.q_dtype
         self._cached_kv_data_type = shape.kv_dtype
         self._o_dtype_name = dtype_name(shape.o_dtype)
@@ -130,15 +131,15 @@ class BatchWrapper:
 
     def _run(self, q, kv_a, kv_b, out, lse, return_lse, stream, sm_scale, window_left, logits_soft_cap, q_scale,
              k_scale, v_scale, sinks):
-        if _torch.compiling():
-            return _torch.run_traced(self, q, kv_a, kv_b, out, lse, return_lse, sm_scale, window_left,
-                                     logits_soft_cap, q_scale, k_scale, v_scale, sinks)
-        if out is None:
-            out = empty(q, (q.shape[0], self._num_qo_heads, self._head_dim_vo), self._o_dtype)
-        if lse is None and return_lse:
-            lse = empty(q, (q.shape[0], self._num_qo_heads), _FLOAT32)
-        self._run_now(q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale, k_scale,
-                      v_scale, sinks)
+        if out is None or (lse is None and return_lse):  # the shape tuple costs time on the hot path (out= given)
+            out, lse = outputs(q, out, lse, (q.shape[0], self._num_qo_heads, self._head_dim_vo), self._o_dtype_name,
+                               return_lse)
+        if _torch.tracing():
+            _batch_run(self._handle, q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale,
+                       k_scale, v_scale, sinks)
+        else:
+            self._run_now(q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale, k_scale,
+                          v_scale, sinks)
         return (out, lse) if return_lse else out
 
     def _run_now(self, q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale, k_scale,
@@ -150,12 +151,10 @@ class BatchWrapper:
 
     def _run_variant(self, q, kv_a, kv_b, out, lse, return_lse, sm_scale, k_scale, v_scale, variant, scalars,
                      tensors):
-        if _torch.compiling():
+        if _torch.tracing():
             raise NotImplementedError("run(variant=...): custom variants are not registered as torch custom ops")
-        if out is None:
-            out = empty(q, (q.shape[0], self._num_qo_heads, self._head_dim_vo), self._o_dtype)
-        if lse is None and return_lse:
-            lse = empty(q, (q.shape[0], self._num_qo_heads), _FLOAT32)
+        out, lse = outputs(q, out, lse, (q.shape[0], self._num_qo_heads, self._head_dim_vo), self._o_dtype_name,
+                           return_lse)
         self._impl.run_variant(q, kv_a, kv_b, out, lse, sm_scale, k_scale, v_scale, variant,
                                [float(x) for x in scalars], list(tensors))
         return (out, lse) if return_lse else out
@@ -169,6 +168,16 @@ class BatchWrapper:
     def describe_plan(self):
         """The C++ AttentionPlan::describe() of the current plan."""
         return self._impl.describe()
+
+
+# Only while torch.compile traces: eager run() calls _run_now directly (the dispatcher costs microseconds).
+@_torch.operator("batch_run", mutates_args=("out", "lse"))
+def _batch_run(handle: int, q: Tensor, kv_a: Tensor, kv_b: Optional[Tensor], out: Tensor, lse: Optional[Tensor],
+               stream: Optional[int], sm_scale: Optional[float], window_left: Optional[int],
+               logits_soft_cap: Optional[float], q_scale: Optional[float], k_scale: Optional[float],
+               v_scale: Optional[float], sinks: Optional[Tensor]) -> None:
+    _torch.wrapper(handle)._run_now(q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale,
+                                    k_scale, v_scale, sinks)
 
 
 def no_custom_args(args, where):

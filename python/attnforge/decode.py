@@ -1,11 +1,14 @@
 """Decode attention: FlashInfer's BatchDecodeWithPagedKVCacheWrapper and single_decode_with_kv_cache."""
+from typing import Optional
+
 import numpy as np
 
 from . import _C
-from ._arrays import current_stream, device_of, dtype_of, empty, layout_of
+from ._arrays import data_dtype_name, device_of, layout_of, outputs, stream_for
 from ._errors import invalid
 from ._options import attention_options
-from ._wrapper import PagedWrapper, paged_metadata
+from ._torch import Tensor, operator
+from ._wrapper import PagedWrapper, packed_mask, paged_metadata
 
 
 class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
@@ -64,28 +67,39 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
                    disable_split_kv=disable_split_kv, stream=stream, num_workers=num_workers)
 
 
-def _single(kind, q, k, v, kv_layout, pos_encoding_mode, q_scale, k_scale, v_scale, window_left, logits_soft_cap,
-            sm_scale, rope_scale, rope_theta, return_lse, causal, packed_mask, o_dtype, out, lse, out_shape,
-            lse_shape, sinks, stream):
+@operator("single_attention", mutates_args=("out", "lse"))
+def _single_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], decode: bool,
+                      kv_layout: str, causal: bool, pos_encoding_mode: str, sm_scale: Optional[float],
+                      q_scale: Optional[float], k_scale: Optional[float], v_scale: Optional[float],
+                      window_left: Optional[int], logits_soft_cap: Optional[float], rope_scale: Optional[float],
+                      rope_theta: Optional[float], custom_mask: Optional[Tensor], packed_custom_mask: Optional[Tensor],
+                      sinks: Optional[Tensor], stream: Optional[int]) -> None:
+    """single_decode (q [num_qo_heads, head_dim]) or single_prefill (q [qo_len, num_qo_heads, head_dim])."""
     options, slopes = attention_options(causal=causal, pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale,
                                         window_left=window_left, logits_soft_cap=logits_soft_cap,
                                         rope_scale=rope_scale, rope_theta=rope_theta, num_qo_heads=q.shape[-2])
     if q_scale is not None:
         base = options.sm_scale if options.sm_scale > 0 else 1.0 / float(q.shape[-1]) ** 0.5
         options.sm_scale = base * float(q_scale)
-    if out is None:
-        out = empty(q, out_shape, dtype_of(q.dtype if o_dtype is None else o_dtype, "o_dtype"))
-    if lse is None and return_lse:
-        lse = empty(q, lse_shape, _C.DType.float32)
-    kind_name, index = device_of(q)
-    if stream is None:
-        stream = current_stream(q, index) if kind_name == "cuda" else 0
-    if slopes is not None and kind_name == "cuda":
+    if slopes is not None and device_of(q)[0] == "cuda":
         raise invalid("pos_encoding_mode: 'ALIBI' for single-request attention on CUDA; pass ALiBi through a batch "
                       "wrapper")
-    _C.single_attention(kind, q, k, v, layout_of(kv_layout), out, lse, options, slopes, packed_mask, sinks,
-                        1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale),
-                        stream)
+    bits = None
+    if custom_mask is not None or packed_custom_mask is not None:
+        kv_len = k.shape[0] if kv_layout == "NHD" else k.shape[1]
+        bits, _ = packed_mask(custom_mask, packed_custom_mask, np.array([q.shape[0]]), np.array([kv_len]))
+    _C.single_attention(_C.PlanKind.decode if decode else _C.PlanKind.prefill, q, k, v, layout_of(kv_layout), out,
+                        lse, options, slopes, bits, sinks, 1.0 if k_scale is None else float(k_scale),
+                        1.0 if v_scale is None else float(v_scale), stream_for(q, stream))
+
+
+def _single(q, k, v, out, lse, return_lse, o_dtype, *args):
+    """single-request attention: outputs allocated beside q, then attnforge::single_attention (args: its arguments
+    after lse)."""
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    out, lse = outputs(q, out, lse, out_shape, None if o_dtype is None else data_dtype_name(o_dtype, "o_dtype"),
+                       return_lse)
+    _single_attention(q, k, v, out, lse, *args)
     return (out, lse) if return_lse else out
 
 
@@ -95,6 +109,5 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
                                 lse=None, sinks=None, stream=None):
     """Decode attention of one request: q [num_qo_heads, head_dim], k/v [kv_len, num_kv_heads, head_dim] (NHD) or
     [num_kv_heads, kv_len, head_dim] (HND). Returns out [num_qo_heads, head_dim] (and lse [num_qo_heads], log2)."""
-    return _single(_C.PlanKind.decode, q, k, v, kv_layout, pos_encoding_mode, q_scale, k_scale, v_scale, window_left,
-                   logits_soft_cap, sm_scale, rope_scale, rope_theta, return_lse, False, None, None, out, lse,
-                   (q.shape[0], v.shape[-1]), (q.shape[0],), sinks, stream)
+    return _single(q, k, v, out, lse, return_lse, None, True, kv_layout, False, pos_encoding_mode, sm_scale, q_scale,
+                   k_scale, v_scale, window_left, logits_soft_cap, rope_scale, rope_theta, None, None, sinks, stream)

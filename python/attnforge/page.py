@@ -1,11 +1,25 @@
 """Paged KV cache utilities: FlashInfer's append_paged_kv_cache, get_batch_indices_positions and get_seq_lens."""
 import sys
+from typing import Optional
 
 import numpy as np
 
 from . import _C
-from ._arrays import layout_of
-from .cascade import _stream
+from ._arrays import layout_of, stream_for
+from ._torch import Tensor, operator
+
+
+@operator("append_paged_kv_cache", mutates_args=("k_cache", "v_cache"))
+def _append_paged_kv_cache(append_key: Tensor, append_value: Tensor, batch_indices: Tensor, positions: Tensor,
+                           k_cache: Tensor, v_cache: Optional[Tensor], kv_indices: Tensor, kv_indptr: Tensor,
+                           kv_last_page_len: Tensor, kv_layout: str, stream: Optional[int]) -> None:
+    # v_cache None: k_cache is the whole [num_pages, 2, ...] cache (one argument, so that the operator's mutated
+    # argument is the caller's array rather than two views of it).
+    if v_cache is None:
+        k_cache, v_cache = k_cache[:, 0], k_cache[:, 1]
+    _C.append_paged_kv_cache(append_key, append_value, batch_indices, positions, k_cache, v_cache,
+                             layout_of(kv_layout), kv_indices, kv_indptr, kv_last_page_len,
+                             stream_for(append_key, stream))
 
 
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,
@@ -13,13 +27,9 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     """Writes append_key/append_value [nnz, num_kv_heads, head_dim] into the paged cache: row r goes to request
     batch_indices[r] at token position positions[r] (int32 [nnz]). ``paged_kv_cache`` is a (k_cache, v_cache) pair
     or one [num_pages, 2, ...] array. Values are converted to the cache dtype."""
-    if type(paged_kv_cache) is tuple:
-        k_cache, v_cache = paged_kv_cache
-    else:
-        k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
-    _C.append_paged_kv_cache(append_key, append_value, batch_indices, positions, k_cache, v_cache,
-                             layout_of(kv_layout), kv_indices, kv_indptr, kv_last_page_len,
-                             _stream(append_key, stream))
+    k_cache, v_cache = paged_kv_cache if type(paged_kv_cache) is tuple else (paged_kv_cache, None)
+    _append_paged_kv_cache(append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices,
+                           kv_indptr, kv_last_page_len, kv_layout, stream)
 
 
 def get_seq_lens(kv_indptr, kv_last_page_len, page_size):

@@ -110,11 +110,9 @@ def single_prefill_with_kv_cache(q, k, v, *, scale_q=None, scale_k=None, scale_v
     (NHD) or [num_kv_heads, kv_len, head_dim] (HND). Returns out [qo_len, num_qo_heads, head_dim_vo] (and lse
     [qo_len, num_qo_heads], log2)."""
     _check_flags(use_fp16_qk_reduction)
-    kv_len = k.shape[0] if kv_layout == "NHD" else k.shape[1]
-    bits, _ = packed_mask(custom_mask, packed_custom_mask, np.array([q.shape[0]]), np.array([kv_len]))
-    return _single(_C.PlanKind.prefill, q, k, v, kv_layout, pos_encoding_mode, scale_q, scale_k, scale_v,
-                   window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, return_lse, causal, bits, o_dtype,
-                   out, lse, (q.shape[0], q.shape[1], v.shape[-1]), (q.shape[0], q.shape[1]), sinks, stream)
+    return _single(q, k, v, out, lse, return_lse, o_dtype, False, kv_layout, causal, pos_encoding_mode, sm_scale,
+                   scale_q, scale_k, scale_v, window_left, logits_soft_cap, rope_scale, rope_theta, custom_mask,
+                   packed_custom_mask, sinks, stream)
 
 
 # FlashInfer names kept for engines that call them.

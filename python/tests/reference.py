@@ -111,3 +111,26 @@ def assert_close(actual, expected, dtype, what="out"):
     worst = np.unravel_index(np.argmax(err), err.shape) if err.size else ()
     assert err.size == 0 or err[worst] <= 0, \
         f"{what}: worst element {tuple(int(i) for i in worst)}: {a[worst]} vs reference {e[worst]} (tolerance {tol})"
+
+
+def rope(x, pos, theta, scale=1.0, interleave=False, rotary_dim=None, llama31=None):
+    """x [nnz, heads, head_dim] rotated in float64 at positions pos [nnz]; llama31 = (factor, low_freq_factor,
+    high_freq_factor, old_context_len) or None."""
+    x = x.astype(np.float64)
+    d = x.shape[-1] if rotary_dim is None else rotary_dim
+    freqs = theta ** (-np.arange(0, d, 2) / d)
+    if llama31 is not None:
+        factor, low, high, old = llama31
+        wavelen = 2 * math.pi / freqs
+        smooth = np.clip((old / wavelen - low) / (high - low), 0.0, 1.0)
+        freqs = (1 - smooth) * freqs / factor + smooth * freqs
+    angles = (pos[:, None] / scale) * freqs[None, :]
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    out = x.copy()
+    if interleave:
+        a, b = x[..., 0:d:2], x[..., 1:d:2]
+        out[..., 0:d:2], out[..., 1:d:2] = a * cos - b * sin, b * cos + a * sin
+    else:
+        a, b = x[..., :d // 2], x[..., d // 2:d]
+        out[..., :d // 2], out[..., d // 2:d] = a * cos - b * sin, b * cos + a * sin
+    return out

@@ -1,12 +1,10 @@
 """Functional operators on the CPU backend against float64 references: single-request attention, merging attention
 states, appending to a paged cache, RoPE."""
-import math
-
 import numpy as np
 import pytest
 
 import attnforge as flashinfer
-from reference import assert_close, attention, paged_cache, rounded
+from reference import assert_close, attention, paged_cache, rope, rounded
 
 HEADS, KV_HEADS, DIM = 6, 2, 64
 
@@ -80,27 +78,6 @@ def test_append_paged_kv_cache(rng):
         np.testing.assert_array_equal(k_cache[page_id, p % page], append_k64[r].astype(np.float32))
 
 
-def _rope_reference(x, pos, theta, scale=1.0, interleave=False, rotary_dim=None, llama31=None):
-    x = x.astype(np.float64)
-    d = x.shape[-1] if rotary_dim is None else rotary_dim
-    freqs = theta ** (-np.arange(0, d, 2) / d)
-    if llama31 is not None:
-        factor, low, high, old = llama31
-        wavelen = 2 * math.pi / freqs
-        smooth = np.clip((old / wavelen - low) / (high - low), 0.0, 1.0)
-        freqs = (1 - smooth) * freqs / factor + smooth * freqs
-    angles = (pos[:, None] / scale) * freqs[None, :]
-    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
-    out = x.copy()
-    if interleave:
-        a, b = x[..., 0:d:2], x[..., 1:d:2]
-        out[..., 0:d:2], out[..., 1:d:2] = a * cos - b * sin, b * cos + a * sin
-    else:
-        a, b = x[..., :d // 2], x[..., d // 2:d]
-        out[..., :d // 2], out[..., d // 2:d] = a * cos - b * sin, b * cos + a * sin
-    return out
-
-
 @pytest.mark.parametrize("interleave", [False, True])
 def test_apply_rope(rng, interleave):
     indptr, offsets = np.array([0, 3, 8], np.int32), np.array([5, 100], np.int32)
@@ -109,10 +86,10 @@ def test_apply_rope(rng, interleave):
     pos = np.concatenate([np.arange(3) + 5, np.arange(5) + 100]).astype(np.float64)
     q_rope, k_rope = flashinfer.apply_rope(q, k, indptr, offsets, interleave=interleave, rope_theta=1e4,
                                            rotary_dim=32)
-    assert_close(q_rope, _rope_reference(q, pos, 1e4, interleave=interleave, rotary_dim=32), "float32")
-    assert_close(k_rope, _rope_reference(k, pos, 1e4, interleave=interleave, rotary_dim=32), "float32")
+    assert_close(q_rope, rope(q, pos, 1e4, interleave=interleave, rotary_dim=32), "float32")
+    assert_close(k_rope, rope(k, pos, 1e4, interleave=interleave, rotary_dim=32), "float32")
     q_ids, k_ids = flashinfer.apply_rope_pos_ids(q, k, pos.astype(np.int32), interleave=interleave, rope_scale=2.0)
-    assert_close(q_ids, _rope_reference(q, pos, 1e4, scale=2.0, interleave=interleave), "float32")
+    assert_close(q_ids, rope(q, pos, 1e4, scale=2.0, interleave=interleave), "float32")
     flashinfer.apply_rope_inplace(q, k, indptr, offsets, interleave=interleave, rotary_dim=32)
     assert_close(q, q_rope, "float32")
 
@@ -122,5 +99,5 @@ def test_apply_llama31_rope(rng):
     k = rng.standard_normal((6, KV_HEADS, DIM)).astype(np.float32)
     pos = np.array([0, 1, 2, 5000, 9000, 20000], np.int32)
     q_rope, k_rope = flashinfer.apply_llama31_rope_pos_ids(q, k, pos)
-    ref = _rope_reference(k, pos.astype(np.float64), 5e5, llama31=(8.0, 1.0, 4.0, 8192.0))
+    ref = rope(k, pos.astype(np.float64), 5e5, llama31=(8.0, 1.0, 4.0, 8192.0))
     assert_close(k_rope, ref, "float16")
