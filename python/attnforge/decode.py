@@ -4,7 +4,7 @@ from typing import Optional
 import numpy as np
 
 from . import _C
-from ._arrays import data_dtype_name, device_of, layout_of, outputs, stream_for
+from ._arrays import data_dtype_name, device_of, dtype_of, empty, layout_of, outputs, stream_for
 from ._errors import invalid
 from ._options import attention_options
 from ._torch import Tensor, operator
@@ -88,9 +88,19 @@ def _single_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optiona
     if custom_mask is not None or packed_custom_mask is not None:
         kv_len = k.shape[0] if kv_layout == "NHD" else k.shape[1]
         bits, _ = packed_mask(custom_mask, packed_custom_mask, np.array([q.shape[0]]), np.array([kv_len]))
-    _C.single_attention(_C.PlanKind.decode if decode else _C.PlanKind.prefill, q, k, v, layout_of(kv_layout), out,
-                        lse, options, slopes, bits, sinks, 1.0 if k_scale is None else float(k_scale),
-                        1.0 if v_scale is None else float(v_scale), stream_for(q, stream))
+    kind = _C.PlanKind.decode if decode else _C.PlanKind.prefill
+    workspace = None
+    device = device_of(q)
+    if device[0] == "cuda":  # the plan and its split states live in device memory, allocated by q's framework
+        nhd = kv_layout == "NHD"
+        nbytes = _C.single_workspace_bytes(kind, q.shape[-2], k.shape[1] if nhd else k.shape[0], q.shape[-1],
+                                           v.shape[-1], dtype_of(q.dtype, "q"), dtype_of(k.dtype, "k"),
+                                           dtype_of(out.dtype, "out"), 1 if decode else q.shape[0],
+                                           k.shape[0] if nhd else k.shape[1], device[1], causal)
+        workspace = empty(q, (nbytes,), "uint8")
+    _C.single_attention(kind, q, k, v, layout_of(kv_layout), out, lse, options, slopes, bits, sinks,
+                        1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale),
+                        stream_for(q, stream), workspace)
 
 
 def _single(q, k, v, out, lse, return_lse, o_dtype, *args):

@@ -34,7 +34,7 @@ Stream as_stream(uintptr_t s) { return reinterpret_cast<Stream>(s); }
 
 void single_attention(PlanKind kind, nb::handle q, nb::handle k, nb::handle v, KVLayout layout, nb::handle out,
                       nb::handle lse, const AttentionOptions& base, nb::handle alibi_slopes, nb::handle mask_bits,
-                      nb::handle sinks, float k_scale, float v_scale, uintptr_t stream) {
+                      nb::handle sinks, float k_scale, float v_scale, uintptr_t stream, nb::handle workspace) {
   AttentionOptions options = base;
   options.alibi_slopes = optional_view(alibi_slopes, "alibi_slopes");
   options.sinks = optional_view(sinks, "sinks");
@@ -46,11 +46,13 @@ void single_attention(PlanKind kind, nb::handle q, nb::handle k, nb::handle v, K
   }
   const TensorView qv = view_of(q, "q"), kv = view_of(k, "k"), vv = view_of(v, "v");
   const Outputs outputs{view_of(out, "out"), optional_view(lse, "lse")};
+  const TensorView ws = optional_view(workspace, "workspace");
+  const Workspace w{ws.defined() ? ws.data : nullptr, ws.defined() ? static_cast<size_t>(ws.numel()) : 0};
   nb::gil_scoped_release release;
   if (kind == PlanKind::kDecode)
-    single_decode(qv, kv, vv, layout, outputs, options, k_scale, v_scale, as_stream(stream));
+    single_decode(qv, kv, vv, layout, outputs, options, k_scale, v_scale, as_stream(stream), w);
   else
-    single_prefill(qv, kv, vv, layout, outputs, options, k_scale, v_scale, as_stream(stream));
+    single_prefill(qv, kv, vv, layout, outputs, options, k_scale, v_scale, as_stream(stream), w);
 }
 
 }  // namespace
@@ -176,7 +178,15 @@ NB_MODULE(_C, m) {
   m.def("single_attention", &single_attention, nb::arg("kind"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("layout"), nb::arg("out"), nb::arg("lse").none(), nb::arg("options"), nb::arg("alibi_slopes").none(),
         nb::arg("packed_custom_mask").none(), nb::arg("sinks").none(), nb::arg("k_scale"), nb::arg("v_scale"),
-        nb::arg("stream"));
+        nb::arg("stream"), nb::arg("workspace").none() = nb::none());
+  m.def(
+      "single_workspace_bytes",
+      [](PlanKind kind, int32_t num_qo_heads, int32_t num_kv_heads, int32_t head_dim_qk, int32_t head_dim_vo,
+         DType q_dtype, DType kv_dtype, DType o_dtype, int32_t qo_len, int32_t kv_len, int32_t device, bool causal) {
+        const AttentionShape shape{num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q_dtype, kv_dtype, o_dtype};
+        return single_workspace_bytes(kind, shape, qo_len, kv_len, Device::cuda(device), causal);
+      },
+      "Device memory (bytes) single_decode / single_prefill need on CUDA device `device`");
   m.def(
       "merge_state",
       [](nb::handle v_a, nb::handle s_a, nb::handle v_b, nb::handle s_b, nb::handle out, nb::handle lse,
