@@ -39,11 +39,11 @@ def test_cupy_batch_decode(rng):
 
 
 def test_cupy_merge_state(rng):
-    """merge_state has no CUDA path yet (docs/python-compat.md): cupy arrays get UnsupportedError naming it, the
-    numpy arrays of the same states merge. When the CUDA merge operator lands, compare the two here."""
+    """merge_state on cupy arrays (the CUDA merge operator) gives what the numpy arrays of the same states give."""
     v = rng.standard_normal((5, HEADS, DIM)).astype(np.float32)
     s = rng.standard_normal((5, HEADS)).astype(np.float32)
     v_np, s_np = flashinfer.merge_state(v, s, v, s + 1)
     assert_close(s_np, s + 1 + np.log2(1 + 2.0 ** -1), "float32", "lse")
-    with pytest.raises(flashinfer.UnsupportedError, match="merge_state"):
-        flashinfer.merge_state(cupy.asarray(v), cupy.asarray(s), cupy.asarray(v), cupy.asarray(s + 1))
+    v_cp, s_cp = flashinfer.merge_state(cupy.asarray(v), cupy.asarray(s), cupy.asarray(v), cupy.asarray(s + 1))
+    assert_close(cupy.asnumpy(v_cp), v_np, "float32")
+    assert_close(cupy.asnumpy(s_cp), s_np, "float32", "lse")

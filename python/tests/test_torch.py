@@ -376,9 +376,9 @@ def test_cuda_errors(rng):
 
 
 # Functional cases with a CUDA path: single decode in bf16 (the C++ single_decode on CUDA, with a workspace the
-# wrapper allocates from q's framework). The others take fp32 inputs the CUDA kernels refuse, or operators with no
-# CUDA path yet (docs/python-compat.md).
-CUDA_FUNCTIONAL = {"single_decode"}
+# wrapper allocates from q's framework) and merge_state(s). The others take fp32 inputs the CUDA attention kernels
+# refuse, or operators with no CUDA path yet (docs/python-compat.md).
+CUDA_FUNCTIONAL = {"single_decode", "merge_state", "merge_states"}
 
 
 @cuda

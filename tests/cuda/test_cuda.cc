@@ -685,3 +685,77 @@ TEST(CudaSingle, DecodeAndPrefillOnContiguousKV) {
     cudaFree(ws);
   }
 }
+
+// merge_state and merge_states on CUDA against the CPU backend's result on the same data (itself checked against
+// float64 in tests/test_ops.cc): bf16 values, some empty states (lse -inf) and one all-empty row, head_dim 96 (not
+// a multiple of 32 lanes), 7 states. fp32 outputs agree to fp32 rounding of a sum of 7 weighted terms.
+TEST(CudaStates, MergeStatesMatchesTheCpu) {
+  const int64_t n = 37, states = 7, heads = 5, dim = 96;
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal;
+  std::vector<uint16_t> v(n * states * heads * dim);
+  std::vector<float> s(n * states * heads);
+  for (uint16_t& x : v) {
+    const float f = normal(rng);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    x = static_cast<uint16_t>(u >> 16);
+  }
+  for (size_t i = 0; i < s.size(); ++i) s[i] = (i % 11 == 3) ? -INFINITY : 4.f * normal(rng);
+  for (int64_t k = 0; k < states; ++k)
+    for (int64_t h = 0; h < heads; ++h) s[(5 * states + k) * heads + h] = -INFINITY;  // row 5: every state empty
+  auto device_copy = [](const void* host, size_t bytes) {
+    void* d = nullptr;
+    EXPECT_EQ(cudaSuccess, cudaMalloc(&d, bytes));
+    EXPECT_EQ(cudaSuccess, cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
+    return d;
+  };
+  void* v_dev = device_copy(v.data(), v.size() * 2);
+  void* s_dev = device_copy(s.data(), s.size() * 4);
+  std::vector<float> o_cpu(n * heads * dim), l_cpu(n * heads), o_gpu(o_cpu.size(), NAN), l_gpu(l_cpu.size(), NAN);
+  void* o_dev = device_copy(o_gpu.data(), o_gpu.size() * 4);
+  void* l_dev = device_copy(l_gpu.data(), l_gpu.size() * 4);
+  const Device gpu = Device::cuda(0);
+  merge_states(TensorView(v.data(), DType::kBFloat16, {n, states, heads, dim}),
+               TensorView(s.data(), DType::kFloat32, {n, states, heads}),
+               Outputs{TensorView(o_cpu.data(), DType::kFloat32, {n, heads, dim}),
+                       TensorView(l_cpu.data(), DType::kFloat32, {n, heads})});
+  merge_states(TensorView(v_dev, DType::kBFloat16, {n, states, heads, dim}, gpu),
+               TensorView(s_dev, DType::kFloat32, {n, states, heads}, gpu),
+               Outputs{TensorView(o_dev, DType::kFloat32, {n, heads, dim}, gpu),
+                       TensorView(l_dev, DType::kFloat32, {n, heads}, gpu)});
+  ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+  ASSERT_EQ(cudaSuccess, cudaMemcpy(o_gpu.data(), o_dev, o_gpu.size() * 4, cudaMemcpyDeviceToHost));
+  ASSERT_EQ(cudaSuccess, cudaMemcpy(l_gpu.data(), l_dev, l_gpu.size() * 4, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < o_cpu.size(); ++i)
+    ASSERT_NEAR(o_gpu[i], o_cpu[i], 1e-5f * (1.f + std::abs(o_cpu[i]))) << "out element " << i;
+  for (size_t i = 0; i < l_cpu.size(); ++i) {
+    if (std::isinf(l_cpu[i])) {
+      EXPECT_TRUE(std::isinf(l_gpu[i]) && l_gpu[i] < 0) << "lse " << i << ": " << l_gpu[i];
+      continue;
+    }
+    ASSERT_NEAR(l_gpu[i], l_cpu[i], 1e-5f * (1.f + std::abs(l_cpu[i]))) << "lse " << i;
+  }
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < dim; ++d) EXPECT_EQ(o_gpu[(5 * heads + h) * dim + d], 0.f) << "all-empty row 5";
+  // merge_state: the first two states of each row as two separate tensors (strided views of the same data).
+  TensorView va(v_dev, DType::kBFloat16, {n, heads, dim}, {states * heads * dim, dim, 1}, gpu);
+  TensorView vb = va;
+  vb.data = static_cast<uint16_t*>(v_dev) + heads * dim;
+  TensorView sa(s_dev, DType::kFloat32, {n, heads}, {states * heads, 1}, gpu);
+  TensorView sb = sa;
+  sb.data = static_cast<float*>(s_dev) + heads;
+  merge_state(va, sa, vb, sb, Outputs{TensorView(o_dev, DType::kFloat32, {n, heads, dim}, gpu), TensorView()});
+  ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+  ASSERT_EQ(cudaSuccess, cudaMemcpy(o_gpu.data(), o_dev, o_gpu.size() * 4, cudaMemcpyDeviceToHost));
+  TensorView va_h(v.data(), DType::kBFloat16, {n, heads, dim}, {states * heads * dim, dim, 1});
+  TensorView vb_h = va_h;
+  vb_h.data = v.data() + heads * dim;
+  TensorView sa_h(s.data(), DType::kFloat32, {n, heads}, {states * heads, 1});
+  TensorView sb_h = sa_h;
+  sb_h.data = s.data() + heads;
+  merge_state(va_h, sa_h, vb_h, sb_h, Outputs{TensorView(o_cpu.data(), DType::kFloat32, {n, heads, dim}), TensorView()});
+  for (size_t i = 0; i < o_cpu.size(); ++i)
+    ASSERT_NEAR(o_gpu[i], o_cpu[i], 1e-5f * (1.f + std::abs(o_cpu[i]))) << "merge_state out element " << i;
+  for (void* p : {v_dev, s_dev, o_dev, l_dev}) cudaFree(p);
+}

@@ -14,6 +14,7 @@
 #include "backends/cuda/decode/decode.h"
 #include "backends/cuda/decode/decode_defaults.cuh"
 #include "backends/cuda/jit_kernels.h"
+#include "backends/cuda/merge/merge.h"
 #include "backends/cuda/prefill/prefill.h"
 #include "core/check.h"
 #include "core/shape.h"
@@ -156,7 +157,10 @@ class CudaBackend final : public Backend {
     key.set_variant(name, source);
     jit_kernels().run_variant(p, key, args, static_cast<cudaStream_t>(stream));
   }
-  void merge_states(const MergeStatesParams&, Stream) override { unsupported("merge_state(s)"); }
+  void merge_states(const MergeStatesParams& p, Stream stream) override {
+    DeviceGuard guard(device_);
+    cuda::run_merge_states(p, static_cast<cudaStream_t>(stream));
+  }
   void append_kv(const AppendKVParams&, Stream) override { unsupported("append_paged_kv_cache"); }
   void rope(const RopeApplyParams&, Stream) override { unsupported("apply_rope"); }
 

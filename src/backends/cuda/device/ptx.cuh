@@ -88,6 +88,13 @@ __device__ __forceinline__ float elem_to_float(uint16_t h, F16) { return f16_to_
 __device__ __forceinline__ uint16_t float_to_elem(float f, Bf16) { return float_to_bf16(f); }
 __device__ __forceinline__ uint16_t float_to_elem(float f, F16) { return float_to_f16(f); }
 
+// Loads one element of `type` (fp32, fp16 or bf16) at element `offset` of `base` as a float.
+__device__ __forceinline__ float load_element(const void* base, DType type, int64_t offset) {
+  if (type == DType::kFloat32) return static_cast<const float*>(base)[offset];
+  const uint16_t h = static_cast<const uint16_t*>(base)[offset];
+  return type == DType::kBFloat16 ? bf16_to_float(h) : f16_to_float(h);
+}
+
 // Stores one float as `type` (fp32, fp16 or bf16) at element `offset` of `base`.
 __device__ __forceinline__ void store_element(void* base, DType type, int64_t offset, float v) {
   if (type == DType::kFloat32)

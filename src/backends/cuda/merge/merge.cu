@@ -27,4 +27,12 @@ void run_merge(const AttentionParams& p, cudaStream_t stream) {
   ATTNFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
+void run_merge_states(const MergeStatesParams& p, cudaStream_t stream) {
+  const int64_t tasks = p.n * p.num_heads;
+  if (tasks == 0) return;
+  const int64_t blocks = (tasks + kMergeStatesWarps - 1) / kMergeStatesWarps;
+  merge_states_kernel<<<static_cast<unsigned>(blocks), 32 * kMergeStatesWarps, 0, stream>>>(p);
+  ATTNFORGE_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace attnforge::cuda

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include "attnforge/kernel/op_params.h"
 #include "attnforge/kernel/params.h"
 #include "backends/cuda/kernel_config.h"
 
@@ -14,5 +15,8 @@ KernelDims merge_dims(const AttentionParams& p);
 
 // Launches the nvcc-compiled merge kernel; a no-op when the plan has no merge capacity.
 void run_merge(const AttentionParams& p, cudaStream_t stream);
+
+// The merge_state / merge_states operators on `stream`.
+void run_merge_states(const MergeStatesParams& p, cudaStream_t stream);
 
 }  // namespace attnforge::cuda

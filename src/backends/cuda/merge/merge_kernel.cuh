@@ -2,6 +2,7 @@
 // Self-contained for NVRTC.
 #pragma once
 
+#include "attnforge/kernel/op_params.h"
 #include "attnforge/kernel/params.h"
 #include "attnforge/kernel/state.h"
 #include "attnforge/kernel/variant.h"
@@ -73,6 +74,47 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_kernel(const Attention
       if (p.lse && tid == 0) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
     }
   }
+}
+
+// merge_state / merge_states (the operators, attnforge/ops.h): one warp per (row, head) combines its num_states
+// states. The weights come from the states' LSEs alone (2^(lse_k - max) over their sum), so every lane of the
+// warp uses the same ones for its dims; an empty state (lse -inf) weighs 0, and all-empty rows give (0, -inf),
+// the identity, as merge_weights does.
+constexpr int kMergeStatesWarps = 4;
+
+__global__ void __launch_bounds__(32 * kMergeStatesWarps) merge_states_kernel(const MergeStatesParams p) {
+  const int64_t task = static_cast<int64_t>(blockIdx.x) * kMergeStatesWarps + threadIdx.x / 32;
+  if (task >= p.n * p.num_heads) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t i = task / p.num_heads;
+  const int h = static_cast<int>(task % p.num_heads);
+  auto state = [&](int k) -> const StateView& { return p.num_sources > 0 ? p.sources[k] : p.stacked; };
+  auto lse_of = [&](int k) {
+    const StateView& src = state(k);
+    const int64_t off = p.num_sources > 0 ? 0 : k * p.s_stride_state;
+    return src.s[off + i * src.s_stride_n + h * src.s_stride_head];
+  };
+  float m = -ATTNFORGE_INFINITY;
+  for (int k = 0; k < p.num_states; ++k) m = fmaxf(m, lse_of(k));
+  float sum = 0.f;
+  if (m != -ATTNFORGE_INFINITY)
+    for (int k = 0; k < p.num_states; ++k) {
+      const float l = lse_of(k);
+      sum += l == -ATTNFORGE_INFINITY ? 0.f : exp2f(l - m);
+    }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  for (int d = lane; d < p.head_dim; d += 32) {
+    float o = 0.f;
+    for (int k = 0; k < p.num_states; ++k) {
+      const float l = lse_of(k);
+      if (l == -ATTNFORGE_INFINITY) continue;
+      const StateView& src = state(k);
+      const int64_t off = p.num_sources > 0 ? 0 : k * p.v_stride_state;
+      o += exp2f(l - m) * load_element(src.v, src.v_dtype, off + i * src.v_stride_n + h * src.v_stride_head + d);
+    }
+    store_element(p.o, p.o_dtype, i * p.o_stride_n + h * p.o_stride_head + d, o * inv);
+  }
+  if (p.lse && lane == 0) p.lse[i * p.lse_stride_n + h * p.lse_stride_head] = sum > 0.f ? m + log2f(sum) : -ATTNFORGE_INFINITY;
 }
 
 }  // namespace attnforge::cuda
