@@ -12,6 +12,7 @@
 #include <string>
 #include <tuple>
 
+#include "attnforge/context_parallel.h"
 #include "attnforge/jit.h"
 #include "attnforge/variant.h"
 #include "testing/compare.h"
@@ -46,6 +47,25 @@ std::vector<int64_t> sample_rows(const Case& c, int64_t max_rows) {
   rows.push_back(total - 1);
   return rows;
 }
+
+// A plan's device workspace and page-locked staging, the plan uploaded into them; freed with the object.
+struct UploadedPlan {
+  void* ws = nullptr;
+  void* staging = nullptr;
+  Workspace w;
+  explicit UploadedPlan(AttentionPlan& plan) {
+    EXPECT_EQ(cudaSuccess, cudaMalloc(&ws, plan.workspace_bytes));
+    EXPECT_EQ(cudaSuccess, cudaMallocHost(&staging, plan.staging_bytes));
+    w = {ws, plan.workspace_bytes};
+    upload_plan(plan, w, staging, plan.staging_bytes, nullptr);
+  }
+  ~UploadedPlan() {
+    cudaFree(ws);
+    cudaFreeHost(staging);
+  }
+  UploadedPlan(const UploadedPlan&) = delete;
+  UploadedPlan& operator=(const UploadedPlan&) = delete;
+};
 
 std::string run_and_check(const CaseSpec& spec, int64_t max_rows = 1 << 30) {
   Case c = make_case(spec);
@@ -313,12 +333,8 @@ TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
   args.device = Device::cuda(0);
   AttentionPlan plan = plan_batch_decode(args);
   ASSERT_FALSE(plan.merges.empty()) << plan.describe();
-  void* ws = nullptr;
-  void* staging = nullptr;
-  ASSERT_EQ(cudaSuccess, cudaMalloc(&ws, plan.workspace_bytes));
-  ASSERT_EQ(cudaSuccess, cudaMallocHost(&staging, plan.staging_bytes));
-  const Workspace w{ws, plan.workspace_bytes};
-  upload_plan(plan, w, staging, plan.staging_bytes, nullptr);
+  const UploadedPlan uploaded(plan);
+  const Workspace& w = uploaded.w;
   std::vector<uint8_t> first;
   for (int run_index = 0; run_index < 4; ++run_index) {
     c.poison_outputs();
@@ -335,8 +351,7 @@ TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
     else
       EXPECT_TRUE(bytes == first) << "run " << run_index << " differs from run 0";
   }
-  cudaFree(ws);
-  cudaFreeHost(staging);
+
 }
 
 // Deterministic mode: a request's output is bit-identical alone and inside a larger batch. "Alone" is the
@@ -595,17 +610,13 @@ TEST(CudaVariants, CustomVariantsInTheDecodeKernel) {
     args.device = Device::cuda(0);
     args.options.disable_split = true;
     AttentionPlan plan = plan_batch_decode(args);
-    void* ws = nullptr;
-    void* staging = nullptr;
+    const UploadedPlan uploaded(plan);
+    const Workspace& w = uploaded.w;
     float* bias_dev = nullptr;
-    ASSERT_EQ(cudaSuccess, cudaMalloc(&ws, plan.workspace_bytes));
-    ASSERT_EQ(cudaSuccess, cudaMallocHost(&staging, plan.staging_bytes));
     std::vector<float> bias(s.num_qo_heads);
     for (int h = 0; h < s.num_qo_heads; ++h) bias[h] = 0.25f * static_cast<float>(h % 5) - 0.5f;
     ASSERT_EQ(cudaSuccess, cudaMalloc(&bias_dev, bias.size() * sizeof(float)));
     ASSERT_EQ(cudaSuccess, cudaMemcpy(bias_dev, bias.data(), bias.size() * sizeof(float), cudaMemcpyHostToDevice));
-    const Workspace w{ws, plan.workspace_bytes};
-    upload_plan(plan, w, staging, plan.staging_bytes, nullptr);
     c.poison_outputs();
     dev.upload_outputs(c);
     const VariantInputs device_in = which == 0 ? VariantInputs{{-2.5f}, {}} : VariantInputs{{}, {bias_dev}};
@@ -626,8 +637,6 @@ TEST(CudaVariants, CustomVariantsInTheDecodeKernel) {
     EXPECT_LE(worst, tol) << (which == 0 ? "Sigmoid" : "HeadBias") << ": worst error " << worst << ", tolerance "
                           << tol << " (naive bf16-P error " << naive_err << ")";
     EXPECT_GT(naive_err, 0) << "the rounded baseline must differ from the exact one, or the tolerance means nothing";
-    cudaFree(ws);
-    cudaFreeHost(staging);
     cudaFree(bias_dev);
   }
 }
@@ -758,4 +767,57 @@ TEST(CudaStates, MergeStatesMatchesTheCpu) {
   for (size_t i = 0; i < o_cpu.size(); ++i)
     ASSERT_NEAR(o_gpu[i], o_cpu[i], 1e-5f * (1.f + std::abs(o_cpu[i]))) << "merge_state out element " << i;
   for (void* p : {v_dev, s_dev, o_dev, l_dev}) cudaFree(p);
+}
+
+// Context parallelism's single-GPU path (issue 7): ranks simulated on one GPU, each running batch decode on its
+// share of the pages (partition_pages) into its slot of one device buffer, as an all-gather would leave it, then
+// merge_gathered_states on the GPU; checked against the float64 reference like every case. No NCCL here: the
+// transport needs GPUs of their own.
+TEST(CudaContextParallel, SimulatedRanksMergeOnTheGpu) {
+  CaseSpec s;
+  s.kind = PlanKind::kDecode;
+  s.kv_lens = {37, 1, 0, 3, 129, 2500};
+  s.qo_lens.assign(s.kv_lens.size(), 1);
+  s.num_qo_heads = 6, s.num_kv_heads = 2, s.head_dim_qk = 64, s.page_size = 16;
+  s.seed = 31;
+  const Device gpu = Device::cuda(0);
+  for (KVPartition partition : {KVPartition::kContiguous, KVPartition::kRoundRobinPages})
+    for (int32_t world : {2, 3, 4}) {
+      Case c = make_case(s);
+      DeviceCase dev(c);
+      const RankStateLayout layout{c.total_qo(), s.num_qo_heads, c.head_dim_vo(), DType::kFloat32};
+      void* gathered = nullptr;
+      ASSERT_EQ(cudaSuccess, cudaMalloc(&gathered, world * layout.rank_bytes()));
+      ASSERT_EQ(cudaSuccess, cudaMemset(gathered, 0xff, world * layout.rank_bytes()));  // NaN until written
+      std::vector<void*> allocations;
+      auto to_device = [&](const std::vector<int32_t>& host) {
+        void* d = nullptr;
+        EXPECT_EQ(cudaSuccess, cudaMalloc(&d, std::max<size_t>(4, host.size() * 4)));
+        if (!host.empty()) EXPECT_EQ(cudaSuccess, cudaMemcpy(d, host.data(), host.size() * 4, cudaMemcpyHostToDevice));
+        allocations.push_back(d);
+        return TensorView(d, DType::kInt32, {static_cast<int64_t>(host.size())}, gpu);
+      };
+      for (int32_t r = 0; r < world; ++r) {
+        const RankPageTable share = partition_pages(c.paged.table, s.page_size, world, r, partition);
+        BatchPlanArgs args = c.plan_args();
+        args.device = gpu;
+        args.set_paged(share.table(), s.page_size);
+        args.shape.o_dtype = layout.o_dtype;
+        AttentionPlan plan = plan_batch_decode(args);
+        const UploadedPlan uploaded(plan);
+        PagedKVCache kv = dev.paged;
+        kv.table = PageTable::csr(to_device(share.indptr), to_device(share.indices), to_device(share.last_page_len));
+        run(plan, dev.q, kv, layout.rank_outputs(gathered, r, gpu), dev.options, uploaded.w, nullptr);
+        ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+      }
+      c.poison_outputs();
+      dev.upload_outputs(c);
+      merge_gathered_states(layout, gathered, world, Outputs{dev.out, dev.lse}, gpu, nullptr);
+      ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+      dev.download_outputs(c);
+      const Verdict v = check_case(c, {});
+      EXPECT_TRUE(v.ok) << "world " << world << " " << to_string(partition) << ": " << v.message;
+      cudaFree(gathered);
+      for (void* p : allocations) cudaFree(p);
+    }
 }
