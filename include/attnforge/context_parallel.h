@@ -7,7 +7,7 @@
 // of gathered states (merge_gathered_states, on the CPU or a CUDA device). Tests simulate the ranks in one process:
 // on the CPU (tests/test_context_parallel.cc) and on one GPU (CudaContextParallel in tests/cuda/test_cuda.cc).
 //
-// Not built yet: the NCCL transport. The plan for it: every rank runs into its own slot of one buffer holding
+// The NCCL transport (run_context_parallel, CUDA builds): every rank runs into its own slot of one buffer holding
 // all ranks' packed states (RankStateLayout below: o, then lse, per rank), then one in-place
 // ncclAllGather(slot, buffer, rank_bytes, ncclChar, comm, stream) per call fills the other ranks' slots, and
 // merge_gathered_states reads the buffer in place. The caller owns the communicator. run, the all-gather and
@@ -83,5 +83,18 @@ struct RankStateLayout {
 // lse optional [n, heads]). The slots are read in place through strided [n, world_size, heads, dim] views.
 void merge_gathered_states(const RankStateLayout& layout, const void* buffer, int32_t world_size,
                            const Outputs& outputs, Device device = Device::cpu(), Stream stream = nullptr);
+
+// One rank's context-parallel step on CUDA, all on `stream`: run() of its share (rank_plan made from its
+// RankPageTable, uploaded to `workspace`; rank_kv's table is its share, in device memory) into its slot of
+// `gathered` (world_size x layout.rank_bytes() bytes of device memory, the same on every rank), an in-place
+// ncclAllGather of the slots over `nccl_comm` (an ncclComm_t of world_size ranks, one GPU each, owned by the
+// caller), then merge_gathered_states into `outputs`. Allocates nothing and never synchronizes, so a CUDA graph
+// captures the three (NCCL calls are capturable). NCCL is opened at run time (libnccl.so.2, or
+// ATTNFORGE_NCCL_LIBRARY); keep NCCL_NVLS_ENABLE=0 in the environment on machines where NVLink multicast is off.
+// Builds without CUDA throw Error(kUnsupported).
+void run_context_parallel(const AttentionPlan& rank_plan, const TensorView& q, const PagedKVCache& rank_kv,
+                          const Outputs& outputs, const AttentionOptions& options, const Workspace& workspace,
+                          const RankStateLayout& layout, void* gathered, int32_t rank, int32_t world_size,
+                          void* nccl_comm, Stream stream = nullptr);
 
 }  // namespace attnforge

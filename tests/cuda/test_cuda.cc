@@ -15,6 +15,7 @@
 #include "attnforge/context_parallel.h"
 #include "attnforge/jit.h"
 #include "attnforge/variant.h"
+#include "backends/cuda/nccl_api.h"
 #include "testing/compare.h"
 #include "testing/device_case.h"
 #include "testing/registry.h"
@@ -820,4 +821,62 @@ TEST(CudaContextParallel, SimulatedRanksMergeOnTheGpu) {
       cudaFree(gathered);
       for (void* p : allocations) cudaFree(p);
     }
+}
+
+// run_context_parallel over a real NCCL communicator of one rank (the lent machine has one GPU; 2 to 8 ranks need
+// a multi-GPU machine): the run, the in-place all-gather and the merge, eagerly and replayed from a CUDA graph.
+// NCCL comes from libnccl.so.2 or ATTNFORGE_NCCL_LIBRARY (scripts/device-check points it at PyTorch's).
+TEST(CudaContextParallel, NcclCommunicatorOfOneRank) {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  const cuda::NcclApi& n = cuda::nccl();
+  cuda::NcclUniqueId id{};
+  ATTNFORGE_NCCL_CHECK(n.ncclGetUniqueId(&id));
+  cuda::NcclComm comm = nullptr;
+  ATTNFORGE_NCCL_CHECK(n.ncclCommInitRank(&comm, 1, id, 0));
+  CaseSpec s;
+  s.kind = PlanKind::kDecode;
+  s.kv_lens = {700, 5, 3000};
+  s.qo_lens.assign(3, 1);
+  s.num_qo_heads = 8, s.num_kv_heads = 2, s.head_dim_qk = 128, s.page_size = 16;
+  s.seed = 77;
+  Case c = make_case(s);
+  DeviceCase dev(c);
+  BatchPlanArgs args = c.plan_args();
+  args.device = Device::cuda(0);
+  args.shape.o_dtype = DType::kFloat32;  // the ranks' states stay fp32 until the merge
+  AttentionPlan plan = plan_batch_decode(args);
+  const UploadedPlan uploaded(plan);
+  const RankStateLayout layout{c.total_qo(), s.num_qo_heads, c.head_dim_vo(), DType::kFloat32};
+  void* gathered = nullptr;
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&gathered, layout.rank_bytes()));
+  cudaStream_t stream;
+  ASSERT_EQ(cudaSuccess, cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto step = [&] {
+    run_context_parallel(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, uploaded.w, layout, gathered,
+                         0, 1, comm, stream);
+  };
+  for (int graph = 0; graph < 2; ++graph) {
+    c.poison_outputs();
+    dev.upload_outputs(c);
+    if (graph == 0) {
+      step();
+    } else {
+      cudaGraph_t g;
+      cudaGraphExec_t exec;
+      ASSERT_EQ(cudaSuccess, cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      step();
+      ASSERT_EQ(cudaSuccess, cudaStreamEndCapture(stream, &g));
+      ASSERT_EQ(cudaSuccess, cudaGraphInstantiate(&exec, g, 0));
+      ASSERT_EQ(cudaSuccess, cudaGraphLaunch(exec, stream));
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(g);
+    }
+    ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(stream));
+    dev.download_outputs(c);
+    const Verdict v = check_case(c, {});
+    EXPECT_TRUE(v.ok) << (graph ? "graph replay: " : "eager: ") << v.message;
+  }
+  cudaStreamDestroy(stream);
+  cudaFree(gathered);
+  n.ncclCommDestroy(comm);
 }
