@@ -94,6 +94,10 @@ std::vector<GpuBenchCase> gpu_suite(bool quick) {
   return v;
 }
 
+// Suite "long" (not in "all", to keep the full run within a device call): one request of 1M tokens, the one-GPU
+// baseline of issue 7's context-parallel decode (4.3 GB of bf16 K/V; the targets: 1.8x on 2 GPUs, 3.3x on 4).
+std::vector<GpuBenchCase> gpu_long_suite() { return {{"decode 1x1048576", gpu_decode(1, 1 << 20)}}; }
+
 testing::CaseSpec gpu_prefill(std::vector<int32_t> qo, std::vector<int32_t> kv, bool causal, int32_t head_dim = 128,
                               int32_t page_size = 16) {
   testing::CaseSpec s = decode_spec(std::move(kv));
@@ -344,8 +348,9 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
   if (options.suite == "all" || options.suite == "decode") suite = gpu_suite(options.quick);
   if (options.suite == "all" || options.suite == "prefill")
     for (GpuBenchCase& c : gpu_prefill_suite(options.quick)) suite.push_back(std::move(c));
+  if (options.suite == "long") suite = gpu_long_suite();
   if (suite.empty())
-    throw std::runtime_error(fmt::format("--suite {}: expected one of {{all, decode, prefill}}", options.suite));
+    throw std::runtime_error(fmt::format("--suite {}: expected one of {{all, decode, prefill, long}}", options.suite));
   if (!options.case_filter.empty()) {
     std::erase_if(suite, [&](const GpuBenchCase& c) { return c.name.find(options.case_filter) == std::string::npos; });
     if (suite.empty())
