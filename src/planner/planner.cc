@@ -185,15 +185,14 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     }
     const int32_t pieces = piece > 0 ? (t.kv_end + piece - 1) / piece : 1;
     if (pieces <= 1) {
-      plan.items.push_back({t.request, t.qo_begin, t.qo_end, 0, t.kv_end, -1, -1});
+      plan.items.push_back({t.request, t.qo_begin, t.qo_end, 0, t.kv_end, -1});
       continue;
     }
     plan.kv_chunk = std::max(plan.kv_chunk, piece);  // the longest piece, which rounding down can stretch
-    const int32_t merge = static_cast<int32_t>(plan.merges.size());
     plan.merges.push_back({t.request, t.qo_begin, t.qo_end, static_cast<int32_t>(plan.items.size()), pieces});
     for (int32_t p = 0; p < pieces; ++p) {
       const int32_t k0 = p * piece, k1 = std::min(t.kv_end, k0 + piece);
-      plan.items.push_back({t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows), merge});
+      plan.items.push_back({t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows)});
       plan.partial_rows += t.qo_end - t.qo_begin;
     }
   }

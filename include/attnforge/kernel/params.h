@@ -76,13 +76,12 @@ struct VariantParams {
 // One unit of planned work: rows [qo_begin, qo_end) of request `request` (token indices within the request)
 // against KV positions [kv_begin, kv_end), for every head. partial_row < 0 writes the final output; otherwise
 // the attention state goes to rows partial_row .. partial_row + (qo_end - qo_begin) of the partial buffers and
-// a MergeItem combines it; `merge` is that MergeItem's index (-1 for an item that writes the final output).
+// a MergeItem combines it.
 struct WorkItem {
   int32_t request;
   int32_t qo_begin, qo_end;
   int32_t kv_begin, kv_end;
   int32_t partial_row;
-  int32_t merge;
 };
 
 // Combines the partial states of items [first_item, first_item + num_items), which all cover the same rows.

@@ -83,15 +83,15 @@ struct DecodeMergeSmem {
   }
 };
 
-// Combines the warps' states of rows [r_begin, r_end) and writes them: to the partial buffers of a split item
+// Combines the warps' states of rows [0, rows) and writes them: to the partial buffers of a split item
 // (to_partial), otherwise as the final output (normalized, o_factor applied, sinks folded in, LSE).
 template <class Tr>
 __device__ __forceinline__ void finish_rows(const AttentionParams& p, const WorkItem& it, const DecodeMergeSmem<Tr>& ms,
-                                            int row0, int r_begin, int r_end, int group, int kv_head, int qo_start,
-                                            float o_factor, bool to_partial) {
+                                            int row0, int rows, int group, int kv_head, int qo_start, float o_factor,
+                                            bool to_partial) {
   constexpr int D = Tr::kHeadDim;
   const PlanView& plan = *p.plan;
-  for (int i = r_begin * D + threadIdx.x; i < r_end * D; i += Tr::kThreads) {
+  for (int i = threadIdx.x; i < rows * D; i += Tr::kThreads) {
     const int r = i / D, d = i % D;
     const float m_all = ms.row_max(r);
     float l_all = 0.f, o = 0.f;
@@ -474,7 +474,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     if constexpr (kCustom)
       finish_rows_variant<Tr, V>(p, va, it, ms, row0, rows, group, kv_head, qo_start, qo_len, kv_len);
     else
-      finish_rows<Tr>(p, it, ms, row0, 0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
+      finish_rows<Tr>(p, it, ms, row0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
 
     __syncthreads();  // shared memory is reused by the next item
   }
