@@ -157,35 +157,41 @@ TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
 }
 
 // Custom variants (testing/variant_reference.h: sigmoid without softmax, a per-head bias with its own mask, logits
-// written to a tensor, and the built-in options as hooks) in the decode kernel, for sm_80 and sm_90a, with
-// NVRTC's -default-device for their plain C++ hooks; names carry the source hash. Prefill takes none yet.
-TEST(JitCompile, CustomVariantsInTheDecodeKernel) {
+// written to a tensor, query/key/output transforms, and the built-in options as hooks) in the decode and prefill
+// kernels, for sm_80 and sm_90a, with NVRTC's -default-device for their plain C++ hooks; names carry the source
+// hash. A custom prefill key with fused RoPE is refused (variants do their own).
+TEST(JitCompile, CustomVariantsInTheDecodeAndPrefillKernels) {
   std::vector<KernelKey> keys;
+  const AttentionShape shape{28, 4, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kFloat32};
   for (const char* arch : {"sm_80", "sm_90a"})
     for (const CustomVariant* v : {&attnforge::testing::Sigmoid_variant, &attnforge::testing::HeadBias_variant,
-                                   &attnforge::testing::LogitsOut_variant}) {
-      KernelKey k = decode_key(AttentionShape{28, 4, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kFloat32}, arch);
-      k.set_variant(v->name, v->source);
-      keys.push_back(k);
+                                   &attnforge::testing::LogitsOut_variant, &attnforge::testing::Shaped_variant}) {
+      for (KernelKey k : {decode_key(shape, arch), prefill_key(shape, arch, false)}) {
+        k.set_variant(v->name, v->source);
+        keys.push_back(k);
+      }
     }
-  KernelKey builtin = decode_key(AttentionShape{32, 8, 64, 64, DType::kFloat16, DType::kFloat16, DType::kFloat16}, "sm_90a");
-  builtin.set_variant(builtin_variant().name, builtin_variant().source);
-  keys.push_back(builtin);
+  for (KernelKey k : {decode_key(AttentionShape{32, 8, 64, 64, DType::kFloat16, DType::kFloat16, DType::kFloat16}, "sm_90a"),
+                      prefill_key(AttentionShape{32, 8, 256, 256, DType::kFloat16, DType::kFloat16, DType::kFloat16},
+                                  "sm_90a", false)}) {
+    k.set_variant(builtin_variant().name, builtin_variant().source);
+    keys.push_back(k);
+  }
   const std::vector<std::string> failures = compile_all(keys, /*no_spills=*/false);
   for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
   EXPECT_NE(keys[0].name().find("decode_Sigmoid_"), std::string::npos) << keys[0].name();
+  EXPECT_NE(keys[1].name().find("prefill_Sigmoid_"), std::string::npos) << keys[1].name();
+  EXPECT_NE(keys[1].render().source.find("prefill_variant_kernel<"), std::string::npos);
   KernelKey other = keys[0];
   other.set_variant("Sigmoid", attnforge::testing::Sigmoid_variant.source + " ");
   EXPECT_NE(other.name(), keys[0].name()) << "another source under the same name must be another kernel";
-  KernelKey prefill = prefill_key(AttentionShape{32, 8, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16},
-                                  "sm_90a", false);
-  prefill.set_variant("Sigmoid", attnforge::testing::Sigmoid_variant.source);
+  KernelKey rope = prefill_key(shape, "sm_90a", true);
+  rope.set_variant("Sigmoid", attnforge::testing::Sigmoid_variant.source);
   try {
-    prefill.validate();
-    ADD_FAILURE() << "a custom variant in a prefill key was accepted";
+    rope.validate();
+    ADD_FAILURE() << "a custom variant in a prefill key with fused RoPE was accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("custom variants run in the decode kernel only so far"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("a custom prefill key takes rope {false}"), std::string::npos) << e.what();
   }
 }
 

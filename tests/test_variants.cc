@@ -86,6 +86,21 @@ TEST_F(Variants, PerHeadLogitBiasFromAnExtraTensor) {
   EXPECT_LT(worst_error(c, reference<HeadBias>(c, args_for(in, none))), 1e-5);
 }
 
+// Query, key and output transforms (fp32 rows) and a windowed causal mask; the second request is longer than the
+// window. A loop that skipped any transform would miss the reference by far more than the tolerance.
+TEST_F(Variants, QueryKeyAndOutputTransforms) {
+  CaseSpec s = fp32_spec();
+  s.kv_lens = {40, 170};
+  Case c = make_case(s);
+  std::vector<float> gain = {0.5f, 1.f, 1.5f, 2.f};
+  const VariantInputs in{{0.8f}, {gain.data()}};
+  run_case(c, Shaped_variant, in);
+  const VariantParams none{};
+  EXPECT_LT(worst_error(c, reference<Shaped>(c, args_for(in, none))), 1e-5);
+  EXPECT_GT(worst_error(c, reference<HeadBias>(c, args_for(VariantInputs{{}, {gain.data()}}, none))), 0.1)
+      << "the transforms must change the result";
+}
+
 TEST_F(Variants, VariantWritesItsLogitsToAnExtraTensor) {
   Case c = make_case(fp32_spec());
   const int32_t max_qo = 5, heads = 4, max_kv = 70;

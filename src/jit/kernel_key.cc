@@ -54,9 +54,10 @@ void KernelKey::validate() const {
                  static_cast<int>(family));
   const char* kernel = to_string(family);
   if (variant != "builtin") {
-    if (family != KernelFamily::kDecode)
-      detail::fail(ErrorKind::kUnsupported, "variant {}: custom variants run in the decode kernel only so far; "
-                   "accepted for {}: {{builtin}}", variant, kernel);
+    if (family == KernelFamily::kPrefill && rope)
+      detail::fail(ErrorKind::kUnsupported, "variant {} with rope true: a custom variant does its own RoPE in its "
+                   "query and key transforms (BuiltinVariant shows how); a custom prefill key takes rope {{false}}",
+                   variant);
     if (variant_source.empty() || variant_hash == Hash128{})
       detail::fail(ErrorKind::kUnsupported, "variant {}: no source; set custom variants with KernelKey::set_variant",
                    variant);
@@ -122,8 +123,9 @@ KernelSource KernelKey::render() const {
               : fmt::format("attnforge::cuda::DecodeTraits<{}, {}, {}, {}>", head_dim_qk, elem_type(q_dtype),
                             decode_tile.stages, elem_type(kv_dtype));
   const bool custom = variant != "builtin";
-  const std::string kernel = custom ? fmt::format("attnforge::cuda::decode_variant_kernel<{}, {}>", traits, variant)
-                                    : fmt::format("attnforge::cuda::{}_kernel<{}>", to_string(family), traits);
+  const std::string kernel =
+      custom ? fmt::format("attnforge::cuda::{}_variant_kernel<{}, {}>", to_string(family), traits, variant)
+             : fmt::format("attnforge::cuda::{}_kernel<{}>", to_string(family), traits);
   s.entry_points = {"&" + kernel, "&attnforge::cuda::merge_kernel"};
   const std::string tile = prefill
                                ? fmt::format("rope {}, stage tokens {}", rope ? "on" : "off", prefill_stage_tokens())

@@ -41,7 +41,8 @@ struct PrefillTile {
 struct KernelKey {
   KernelFamily family = KernelFamily::kDecode;
   // The variant: "builtin" (the options of kernel/variant.h, read at run time), or a custom variant's struct name
-  // with its source (decode only so far; set both with set_variant, which also fills variant_hash).
+  // with its source (decode and prefill without fused RoPE; set both with set_variant, which also fills
+  // variant_hash).
   std::string variant = "builtin";
   std::string variant_source;
   Hash128 variant_hash;

@@ -4,6 +4,8 @@
 #include <nvrtc.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "core/check.h"
 
@@ -56,6 +58,10 @@ std::string arch_for_device(int major, int minor) {
 std::vector<std::string> compile_options(const std::string& arch, bool default_device) {
   std::vector<std::string> o = {"--gpu-architecture=" + arch, "-std=c++17", "-lineinfo", "--ptxas-options=--warn-on-spills"};
   if (default_device) o.push_back("-default-device");
+  // Kernel work: ptxas's registers, stack and spills of every kernel in the compile log (and in the cache key, so
+  // these modules never mix with the plain ones).
+  if (const char* v = std::getenv("ATTNFORGE_PTXAS_VERBOSE"); v && std::string(v) == "1")
+    o.push_back("--ptxas-options=-v");
   return o;
 }
 

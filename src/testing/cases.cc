@@ -12,6 +12,7 @@
 #include <sys/mman.h>
 
 #include "backends/cpu/convert.h"
+#include "testing/parallel.h"
 
 namespace attnforge::testing {
 
@@ -27,8 +28,10 @@ float put(void* base, DType t, int64_t idx, float v) {
 
 // Uniform in [-1, 1) from a splitmix64 stream: K/V of serving-sized batches hold billions of values, and this
 // is an order of magnitude faster than std::uniform_real_distribution.
+constexpr uint64_t kGamma = 0x9e3779b97f4a7c15ull;  // splitmix64's increment
+
 float fast_uniform(uint64_t& state) {
-  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  uint64_t z = (state += kGamma);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   z ^= z >> 31;
@@ -37,8 +40,15 @@ float fast_uniform(uint64_t& state) {
 
 void fill_nan(const Buffer& b) {
   const std::vector<float> row(4096, kNaN);
-  for (size_t i = 0; i < b.count; i += row.size())
-    cpu::store_row(b.data(), b.dtype, static_cast<int64_t>(i), static_cast<int32_t>(std::min(row.size(), b.count - i)), row.data());
+  constexpr int64_t kRowsPerTask = 256;
+  const int64_t rows = static_cast<int64_t>((b.count + row.size() - 1) / row.size());
+  parallel_for((rows + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t task) {
+    for (int64_t r = task * kRowsPerTask; r < std::min(rows, (task + 1) * kRowsPerTask); ++r) {
+      const size_t i = static_cast<size_t>(r) * row.size();
+      cpu::store_row(b.data(), b.dtype, static_cast<int64_t>(i), static_cast<int32_t>(std::min(row.size(), b.count - i)),
+                     row.data());
+    }
+  });
 }
 
 const char* kind_name(PlanKind k) { return k == PlanKind::kDecode ? "decode" : "prefill"; }
@@ -119,21 +129,45 @@ Case make_case(const CaseSpec& spec) {
   const float k_div = s.k_scale, v_div = s.v_scale;
   c.k_vals.resize(B);
   c.v_vals.resize(B);
+  // Request b's K then V values are one splitmix64 stream from a state drawn in order; value n of it only needs
+  // state + n * gamma, so chunks of it are drawn in parallel and give the same values as one sequential pass.
+  struct Chunk {
+    float* out;
+    int64_t count;
+    uint64_t state;
+    float div;
+  };
+  std::vector<Chunk> chunks;
+  constexpr int64_t kChunk = 1 << 16;
   for (int32_t b = 0; b < B; ++b) {
     c.k_vals[b].resize(static_cast<size_t>(s.kv_lens[b]) * Hk * dqk);
     c.v_vals[b].resize(static_cast<size_t>(s.kv_lens[b]) * Hk * dvo);
-    uint64_t state = rng();
-    for (float& x : c.k_vals[b]) x = fast_uniform(state) / k_div;
-    for (float& x : c.v_vals[b]) x = fast_uniform(state) / v_div;
+    const uint64_t state = rng();
+    const int64_t nk = static_cast<int64_t>(c.k_vals[b].size()), nv = static_cast<int64_t>(c.v_vals[b].size());
+    for (int64_t n = 0; n < nk; n += kChunk)
+      chunks.push_back({c.k_vals[b].data() + n, std::min(kChunk, nk - n), state + static_cast<uint64_t>(n) * kGamma, k_div});
+    for (int64_t n = 0; n < nv; n += kChunk)
+      chunks.push_back({c.v_vals[b].data() + n, std::min(kChunk, nv - n),
+                        state + static_cast<uint64_t>(nk + n) * kGamma, v_div});
   }
+  parallel_for(static_cast<int64_t>(chunks.size()), [&](int64_t i) {
+    Chunk ch = chunks[static_cast<size_t>(i)];
+    for (int64_t n = 0; n < ch.count; ++n) ch.out[n] = fast_uniform(ch.state) / ch.div;
+  });
 
   // KV storage.
   int64_t total_kv = 0;
   for (int32_t b = 0; b < B; ++b) total_kv += s.kv_lens[b];
   auto store_kv = [&](const TensorView& k, const TensorView& v, auto&& locate) {
-    // locate(b, t) -> (page, slot); writes logical values and replaces them by what was stored.
+    // locate(b, t) -> (page, slot); writes logical values and replaces them by what was stored. Tokens own
+    // disjoint slots, so blocks of them are stored in parallel.
+    constexpr int32_t kTokens = 256;
+    std::vector<std::pair<int32_t, int32_t>> blocks;  // (request, first token)
     for (int32_t b = 0; b < B; ++b)
-      for (int32_t t = 0; t < s.kv_lens[b]; ++t) {
+      for (int32_t t = 0; t < s.kv_lens[b]; t += kTokens) blocks.emplace_back(b, t);
+    parallel_for(static_cast<int64_t>(blocks.size()), [&](int64_t n) {
+      const auto [b, t0] = blocks[static_cast<size_t>(n)];
+      for (int32_t t = t0; t < std::min(t0 + kTokens, s.kv_lens[b]); ++t) {
         const auto [page, slot] = locate(b, t);
         const bool nhd = s.format == KVFormat::kRagged || s.layout == KVLayout::kNHD;
         for (int32_t h = 0; h < Hk; ++h) {
@@ -150,6 +184,7 @@ Case make_case(const CaseSpec& spec) {
           cpu::load_row(v.data, s.kv_dtype, vo, dvo, 1.f, vl);
         }
       }
+    });
   };
 
   if (s.format == KVFormat::kRagged) {

@@ -2,8 +2,11 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "backends/cpu/convert.h"
+#include "testing/parallel.h"
 
 namespace attnforge::testing {
 
@@ -59,12 +62,16 @@ Reference compute(const Case& c, const std::vector<int64_t>& rows_wanted, bool r
   const Real sm_scale = o.sm_scale > 0 ? Real(o.sm_scale) : Real(1) / std::sqrt(Real(dqk));
   const Real kNegInf = -std::numeric_limits<Real>::infinity();
 
-  for (int32_t b = 0; b < c.batch; ++b) {
-    const int32_t qo_len = s.qo_lens[b], kv_len = s.kv_lens[b];
-    const int64_t offset = o.rope && o.rope_offsets ? c.pos_offset[b] : 0;
-    for (int32_t i = 0; i < qo_len; ++i) {
+  // Rows are independent: each thread writes its rows' outputs only.
+  std::vector<std::pair<int32_t, int32_t>> rows;  // (request, query index) of every wanted row
+  for (int32_t b = 0; b < c.batch; ++b)
+    for (int32_t i = 0; i < s.qo_lens[b]; ++i)
+      if (want[c.qo_indptr[b] + i]) rows.emplace_back(b, i);
+  parallel_for(static_cast<int64_t>(rows.size()), [&](int64_t n) {
+      const auto [b, i] = rows[static_cast<size_t>(n)];
+      const int32_t qo_len = s.qo_lens[b], kv_len = s.kv_lens[b];
+      const int64_t offset = o.rope && o.rope_offsets ? c.pos_offset[b] : 0;
       const int64_t row = c.qo_indptr[b] + i;
-      if (!want[row]) continue;
       const int64_t qpos = kv_len - qo_len + i;
       for (int32_t h = 0; h < Hq; ++h) {
         const int32_t kh = h / group;
@@ -126,8 +133,7 @@ Reference compute(const Case& c, const std::vector<int64_t>& rows_wanted, bool r
         const Real lse = (m + std::log(den)) / std::log(Real(2));
         r.lse[row * Hq + h] = static_cast<double>(round_output ? Real(static_cast<float>(lse)) : lse);
       }
-    }
-  }
+  });
   return r;
 }
 

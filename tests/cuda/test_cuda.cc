@@ -490,9 +490,11 @@ void expect_nvrtc_bits_of_nvcc(const std::vector<CaseSpec>& specs) {
       c.poison_outputs();
       dev.upload_outputs(c);
       plan_and_run_cuda(c, dev);
-      const Verdict v = check_case(c);
-      EXPECT_TRUE(v.ok) << (kernels == jit::CudaKernels::kNvrtc ? "NVRTC" : "nvcc") << ": " << v.message
-                        << "\n  case: " << s.describe();
+      // The reference checks nvcc's result; NVRTC's must then have the same bits.
+      if (kernels == jit::CudaKernels::kNvcc) {
+        const Verdict v = check_case(c);
+        EXPECT_TRUE(v.ok) << "nvcc: " << v.message << "\n  case: " << s.describe();
+      }
       const auto* o = static_cast<const uint8_t*>(c.out.data());
       const auto* l = static_cast<const uint8_t*>(c.lse.data());
       return std::make_pair(std::vector<uint8_t>(o, o + c.out.bytes()), std::vector<uint8_t>(l, l + c.lse.bytes()));
@@ -589,57 +591,123 @@ TEST(CudaJit, NvrtcPrefillKernelsGiveTheBitsOfNvccKernels) {
   expect_nvrtc_bits_of_nvcc(specs);
 }
 
+// A device float array with the host values (freed at scope exit).
+struct DeviceFloats {
+  float* ptr = nullptr;
+  explicit DeviceFloats(const std::vector<float>& host) {
+    EXPECT_EQ(cudaSuccess, cudaMalloc(&ptr, host.size() * sizeof(float)));
+    EXPECT_EQ(cudaSuccess, cudaMemcpy(ptr, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  ~DeviceFloats() { cudaFree(ptr); }
+  DeviceFloats(const DeviceFloats&) = delete;
+  DeviceFloats& operator=(const DeviceFloats&) = delete;
+};
+
+// Runs custom variant V (NVRTC) on case c with a plan without splits and checks its fp32 output against the float64
+// reference running the same struct (testing/variant_reference.h). The tolerance is twice the error of the same
+// computation with bf16 operands (the P V weights and transformed Q/K rows rounded, as the tensor cores read them)
+// plus fp32 accumulation slack. device_in and host_in hold the same inputs, in device and host memory.
+template <class V>
+void expect_variant_on_gpu(Case& c, DeviceCase& dev, const CustomVariant& variant, const VariantInputs& device_in,
+                           const VariantInputs& host_in) {
+  BatchPlanArgs args = c.plan_args();
+  args.device = Device::cuda(0);
+  args.options.disable_split = true;
+  AttentionPlan plan = c.spec.kind == PlanKind::kDecode ? plan_batch_decode(args) : plan_batch_prefill(args);
+  const UploadedPlan uploaded(plan);
+  c.poison_outputs();
+  dev.upload_outputs(c);
+  run_variant(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, variant, device_in, uploaded.w, nullptr);
+  ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+  dev.download_outputs(c);
+  const VariantParams none{};
+  const VariantArgs a = args_for(host_in, none);
+  const std::vector<double> ref = reference<V>(c, a), naive = reference<V>(c, a, true);
+  double naive_err = 0, ref_max = 0;
+  for (size_t i = 0; i < ref.size(); ++i)
+    naive_err = std::max(naive_err, std::abs(naive[i] - ref[i])), ref_max = std::max(ref_max, std::abs(ref[i]));
+  const double tol = 2 * naive_err + 1e-5 * (1 + ref_max);
+  const double worst = worst_error(c, ref, /*relative=*/false);
+  EXPECT_LE(worst, tol) << variant.name << " on " << c.spec.describe() << ": worst error " << worst << ", tolerance "
+                        << tol << " (naive bf16 error " << naive_err << ")";
+  EXPECT_GT(naive_err, 0) << "the rounded baseline must differ from the exact one, or the tolerance means nothing";
+  EXPECT_TRUE(c.guards_intact()) << variant.name << ": memory just outside the outputs was written";
+}
+
+CaseSpec variant_case(PlanKind kind, int32_t head_dim, std::vector<int32_t> qo, std::vector<int32_t> kv, uint64_t seed) {
+  CaseSpec s;
+  s.kind = kind;
+  s.num_qo_heads = 28, s.num_kv_heads = 4, s.head_dim_qk = head_dim, s.page_size = 16;
+  s.qo_lens = std::move(qo);
+  s.kv_lens = std::move(kv);
+  s.o_dtype = DType::kFloat32;
+  s.seed = seed;
+  return s;
+}
+
+std::vector<float> per_head(int32_t heads, float step, float base) {
+  std::vector<float> v(heads);
+  for (int32_t h = 0; h < heads; ++h) v[h] = step * static_cast<float>(h % 5) + base;
+  return v;
+}
+
 }  // namespace
 
-// Custom variants in the CUDA decode kernel (NVRTC), against the float64 reference that runs the same structs
-// (testing/variant_reference.h): sigmoid attention with softmax off (a scalar input) and a per-head logit bias
-// read from a device tensor with a causal mask from the variant. bf16 Q/K/V, fp32 output; the tolerance is twice
-// the error of the same computation with the P V weights rounded to bf16 (what the tensor cores read), plus fp32
-// accumulation slack.
+// Custom variants in the CUDA decode kernel (NVRTC): sigmoid attention with softmax off (a scalar input) and a
+// per-head logit bias read from a device tensor with a causal mask from the variant.
 TEST(CudaVariants, CustomVariantsInTheDecodeKernel) {
-  CaseSpec s;
-  s.kind = PlanKind::kDecode;
-  s.num_qo_heads = 28, s.num_kv_heads = 4, s.head_dim_qk = 128, s.page_size = 16;
-  s.qo_lens = {1, 3, 2};
-  s.kv_lens = {700, 129, 33};
-  s.o_dtype = DType::kFloat32;
-  s.seed = 404;
-  for (int which = 0; which < 2; ++which) {
-    Case c = make_case(s);
+  Case c = make_case(variant_case(PlanKind::kDecode, 128, {1, 3, 2}, {700, 129, 33}, 404));
+  DeviceCase dev(c);
+  std::vector<float> bias = per_head(28, 0.25f, -0.5f);
+  const DeviceFloats bias_dev(bias);
+  expect_variant_on_gpu<Sigmoid>(c, dev, Sigmoid_variant, {{-2.5f}, {}}, {{-2.5f}, {}});
+  expect_variant_on_gpu<HeadBias>(c, dev, HeadBias_variant, {{}, {bias_dev.ptr}}, {{}, {bias.data()}});
+}
+
+// Custom variants in the CUDA prefill kernel (NVRTC), head_dim 64, 128 and 256: query, key and output transforms
+// with a windowed causal mask (Shaped: the output transform runs on whole fp32 rows staged in shared memory), and at
+// 128 sigmoid attention without softmax and a per-head bias. The last request has more queries than keys (rows that
+// see no key), the second one query.
+TEST(CudaVariants, CustomVariantsInThePrefillKernel) {
+  for (int32_t d : {64, 128, 256}) {
+    Case c = make_case(variant_case(PlanKind::kPrefill, d, {37, 1, 130, 5}, {300, 129, 130, 3}, 405 + d));
     DeviceCase dev(c);
-    BatchPlanArgs args = c.plan_args();
-    args.device = Device::cuda(0);
-    args.options.disable_split = true;
-    AttentionPlan plan = plan_batch_decode(args);
-    const UploadedPlan uploaded(plan);
-    const Workspace& w = uploaded.w;
-    float* bias_dev = nullptr;
-    std::vector<float> bias(s.num_qo_heads);
-    for (int h = 0; h < s.num_qo_heads; ++h) bias[h] = 0.25f * static_cast<float>(h % 5) - 0.5f;
-    ASSERT_EQ(cudaSuccess, cudaMalloc(&bias_dev, bias.size() * sizeof(float)));
-    ASSERT_EQ(cudaSuccess, cudaMemcpy(bias_dev, bias.data(), bias.size() * sizeof(float), cudaMemcpyHostToDevice));
-    c.poison_outputs();
-    dev.upload_outputs(c);
-    const VariantInputs device_in = which == 0 ? VariantInputs{{-2.5f}, {}} : VariantInputs{{}, {bias_dev}};
-    const VariantInputs host_in = which == 0 ? VariantInputs{{-2.5f}, {}} : VariantInputs{{}, {bias.data()}};
-    run_variant(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, which == 0 ? Sigmoid_variant : HeadBias_variant,
-                device_in, w, nullptr);
-    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
-    dev.download_outputs(c);
-    const VariantParams none{};
-    const VariantArgs a = args_for(host_in, none);
-    const std::vector<double> ref = which == 0 ? reference<Sigmoid>(c, a) : reference<HeadBias>(c, a);
-    const std::vector<double> naive = which == 0 ? reference<Sigmoid>(c, a, true) : reference<HeadBias>(c, a, true);
-    double naive_err = 0, ref_max = 0;
-    for (size_t i = 0; i < ref.size(); ++i)
-      naive_err = std::max(naive_err, std::abs(naive[i] - ref[i])), ref_max = std::max(ref_max, std::abs(ref[i]));
-    const double tol = 2 * naive_err + 1e-5 * (1 + ref_max);
-    const double worst = worst_error(c, ref, /*relative=*/false);
-    EXPECT_LE(worst, tol) << (which == 0 ? "Sigmoid" : "HeadBias") << ": worst error " << worst << ", tolerance "
-                          << tol << " (naive bf16-P error " << naive_err << ")";
-    EXPECT_GT(naive_err, 0) << "the rounded baseline must differ from the exact one, or the tolerance means nothing";
-    cudaFree(bias_dev);
+    std::vector<float> gain = per_head(28, 0.3f, 0.6f), bias = per_head(28, 0.25f, -0.5f);
+    const DeviceFloats gain_dev(gain), bias_dev(bias);
+    expect_variant_on_gpu<Shaped>(c, dev, Shaped_variant, {{0.8f}, {gain_dev.ptr}}, {{0.8f}, {gain.data()}});
+    if (d != 128) continue;
+    expect_variant_on_gpu<Sigmoid>(c, dev, Sigmoid_variant, {{-2.5f}, {}}, {{-2.5f}, {}});
+    expect_variant_on_gpu<HeadBias>(c, dev, HeadBias_variant, {{}, {bias_dev.ptr}}, {{}, {bias.data()}});
   }
+}
+
+// The built-in options written as a variant (BuiltinVariant: RoPE as query/key transforms, causal, window, custom
+// mask, soft-cap and ALiBi as mask and logit transform, sinks) in the prefill kernel, against the library's
+// reference for run() with the same options.
+TEST(CudaVariants, BuiltinOptionsAsAVariantInThePrefillKernel) {
+  CaseSpec s = variant_case(PlanKind::kPrefill, 128, {37, 1, 130}, {300, 129, 130}, 409);
+  s.o_dtype = DType::kBFloat16;
+  s.options.causal = true;
+  s.options.window_left = 90;
+  s.options.soft_cap = 20.f;
+  s.options.alibi = true;
+  s.options.sinks = true;
+  s.options.rope = true;
+  s.options.rope_offsets = true;
+  Case c = make_case(s);
+  DeviceCase dev(c);
+  BatchPlanArgs args = c.plan_args();
+  args.device = Device::cuda(0);
+  args.options.disable_split = true;
+  AttentionPlan plan = plan_batch_prefill(args);
+  const UploadedPlan uploaded(plan);
+  c.poison_outputs();
+  dev.upload_outputs(c);
+  run_variant(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, builtin_variant(), {}, uploaded.w, nullptr);
+  ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+  dev.download_outputs(c);
+  const Verdict v = check_case(c);
+  EXPECT_TRUE(v.ok) << v.message;
 }
 
 // single_decode and single_prefill on CUDA (contiguous K/V: a one-request ragged case, its rows from the case's

@@ -71,3 +71,15 @@ struct BuiltinVariant : VariantBase {
 };
 
 }  // namespace attnforge
+
+// A variant's source is global-scope C++: the fixed-width integer names its hooks' signatures use (int32_t) are
+// there too under NVRTC, which has no <cstdint>, as <cstdint> puts them there on the host.
+#if defined(__CUDACC_RTC__)
+using attnforge::int32_t;
+using attnforge::int64_t;
+using attnforge::int8_t;
+using attnforge::uint16_t;
+using attnforge::uint32_t;
+using attnforge::uint64_t;
+using attnforge::uint8_t;
+#endif

@@ -147,9 +147,6 @@ class CudaBackend final : public Backend {
   // Custom variants compile through NVRTC whatever ATTNFORGE_KERNELS says (nvcc cannot know them).
   void attention_variant(const AttentionParams& p, PlanKind kind, const std::string& name, const std::string& source,
                          const VariantArgs& args, Stream stream) override {
-    if (kind != PlanKind::kDecode)
-      fail(ErrorKind::kUnsupported, "variant {} on cuda:{}: custom variants run in the CUDA decode kernel only so far "
-           "(plan with plan_batch_decode, or run the variant on the CPU)", name, device_);
     DeviceGuard guard(device_);
     const AttentionShape shape{p.num_qo_heads, p.num_kv_heads, p.head_dim_qk, p.head_dim_vo,
                                p.q_dtype,      p.kv.dtype,     p.o_dtype};

@@ -21,6 +21,7 @@
 #include "attnforge/kernel/variant_hooks.h"
 #include "backends/cuda/decode/decode_defaults.cuh"
 #include "backends/cuda/device/fp8.cuh"
+#include "backends/cuda/device/hooks.cuh"
 #include "backends/cuda/device/ptx.cuh"
 #include "backends/cuda/device/tiles.cuh"
 
@@ -115,29 +116,6 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
   }
 }
 
-// The built-in options, read from VariantParams at run time: the kernels run() launches. A custom variant V (a
-// VariantBase with hooks, attnforge/variant.h) replaces them: V's logits_mask decides which keys a query sees,
-// logits_transform acts on the scaled logit, query/key/output transforms act on fp32 rows, and V::kSoftmax false
-// sums p v without normalizing (LSE then NaN); sinks still join a softmax. Hooks V leaves at VariantBase's
-// identity are not called.
-struct BuiltinOptions {
-  static constexpr bool kSoftmax = true;
-};
-template <class A, class B>
-struct SameType {
-  static constexpr bool value = false;
-};
-template <class A>
-struct SameType<A, A> {
-  static constexpr bool value = true;
-};
-template <class V>
-struct OverriddenHooks {
-  static constexpr bool kQuery = &V::query_transform != &VariantBase::query_transform;
-  static constexpr bool kKey = &V::key_transform != &VariantBase::key_transform;
-  static constexpr bool kOutput = &V::output_transform != &VariantBase::output_transform;
-};
-
 // finish_rows for a custom variant (never split: run_variant refuses plans with merges): one thread per row, so
 // the output transform sees the whole row in fp32.
 template <class Tr, class V>
@@ -178,7 +156,7 @@ __device__ __forceinline__ void finish_rows_variant(const AttentionParams& p, co
 
 template <class Tr, class V>
 __device__ __forceinline__ void decode_body(const AttentionParams& p, const VariantArgs& va) {
-  constexpr bool kCustom = !SameType<V, BuiltinOptions>::value;
+  constexpr bool kCustom = IsCustomVariant<V>::value;
   constexpr bool kSoftmax = V::kSoftmax;
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim;

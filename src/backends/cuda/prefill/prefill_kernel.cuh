@@ -12,6 +12,7 @@
 #include "attnforge/kernel/params.h"
 #include "attnforge/kernel/state.h"
 #include "attnforge/kernel/variant.h"
+#include "backends/cuda/device/hooks.cuh"
 #include "backends/cuda/device/ptx.cuh"
 #include "backends/cuda/device/tiles.cuh"
 #include "backends/cuda/prefill/tile_config.cuh"
@@ -43,8 +44,75 @@ struct PrefillTraits {
   static_assert(kStageTokens % kTileTokens == 0, "a stage holds whole softmax steps");
 };
 
-template <class Tr>
-__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_kernel(const AttentionParams p) {
+// A finished row's LSE (log2 units) and the factor its o accumulators take: 1 / l with softmax (sinks folded in
+// for a final row), the V scale alone without softmax (LSE NaN).
+template <bool kSoftmax>
+__device__ __forceinline__ void row_scale(const VariantParams& vp, int head, float m, float l, float v_scale,
+                                          bool final_row, float* lse, float* f) {
+  if constexpr (kSoftmax) {
+    *lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
+    *f = l > 0.f ? v_scale / l : 0.f;
+    if (final_row) *f *= apply_sink(vp, head, lse);
+  } else {
+    *lse = __int_as_float(0x7fc00000);
+    *f = v_scale;
+  }
+}
+
+// The epilogue of a custom variant with an output transform: each warp stages one m tile of finished fp32 rows
+// (16 x head_dim) in shared memory, then one lane per row runs V::output_transform on it and writes it.
+template <class Tr, class V, int M = Tr::kMTiles, int D = Tr::kHeadDim>
+__device__ __forceinline__ void prefill_variant_epilogue(const AttentionParams& p, const VariantArgs& va,
+                                                         const WorkItem& it, float (&o_acc)[M][D / 8][4],
+                                                         float (&m_run)[M][2], float (&l_run)[M][2], uint16_t* smem,
+                                                         int row0, int rows, int group, int kv_head, int qo_start,
+                                                         int qo_len, int kv_len) {
+  constexpr int kStride = D + 4;  // floats per staged row
+  static_assert(Tr::kWarps * 16 * kStride * 4 <= Tr::kSmemBytes, "the staged rows fit the kernel's shared memory");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* stage = reinterpret_cast<float*>(smem) + warp * 16 * kStride;
+  __syncthreads();  // every warp is done with Q and the K/V stages
+  #pragma unroll
+  for (int mt = 0; mt < M; ++mt) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = warp_sum_quad(l_run[mt][h]);
+      const int rl = lane / 4 + 8 * h, r = warp * Tr::kWarpRows + 16 * mt + rl;
+      if (r >= rows) continue;
+      const QueryRow q = query_row(it, row0 + r, group, kv_head);
+      float lse, f;
+      row_scale<V::kSoftmax>(p.variant, q.head, m_run[mt][h], l, p.kv.v_scale, true, &lse, &f);
+      #pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const int col = n * 8 + 2 * (lane % 4);
+        stage[rl * kStride + col] = o_acc[mt][n][2 * h] * f;
+        stage[rl * kStride + col + 1] = o_acc[mt][n][2 * h + 1] * f;
+      }
+      if (p.lse && lane % 4 == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
+    }
+    __syncwarp();
+    const int r = warp * Tr::kWarpRows + 16 * mt + lane;
+    if (lane < 16 && r < rows) {
+      const QueryRow q = query_row(it, row0 + r, group, kv_head);
+      const LogitIndex li{it.request, q.tok, query_position(q.tok, qo_len, kv_len), 0, kv_len, q.head, kv_head};
+      float* x = stage + lane * kStride;
+      V::output_transform(va, li, x, D);
+      const int64_t base = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head;
+      for (int d = 0; d < D; ++d) store_element(p.o, p.o_dtype, base + d, x[d]);
+    }
+    __syncwarp();  // the next m tile reuses the stage
+  }
+}
+
+// The kernel body for the built-in options (V = BuiltinOptions) or a custom variant V (device/hooks.cuh): V's
+// logits_mask replaces the built-in masks within the item's KV, logits_transform acts on the scaled logit, query
+// and key transforms on fp32 rows of Q (once) and of each K stage (key fields only), output_transform on each
+// finished fp32 row, staged through shared memory; without V::kSoftmax, p = the transformed logit and LSE is NaN.
+template <class Tr, class V>
+__device__ __forceinline__ void prefill_body(const AttentionParams& p, const VariantArgs& va) {
+  constexpr bool kCustom = IsCustomVariant<V>::value;
+  constexpr bool kSoftmax = V::kSoftmax;
+  static_assert(!(kCustom && Tr::kRope), "a custom variant does its own RoPE (BuiltinVariant shows how)");
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, M = Tr::kMTiles, N = Tr::kTileTokens, NS = Tr::kStageTokens;
   extern __shared__ __align__(128) uint16_t smem[];
@@ -64,7 +132,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
   const int row0 = blockIdx.z * Tr::kRows;
   const int warp_row0 = warp * Tr::kWarpRows;
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
-  const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
+  const bool transform = !kCustom && (vp.soft_cap > 0.f || vp.alibi_slopes != nullptr);
   const int num_items = plan.num_items;
   constexpr bool rope = Tr::kRope;
   if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
@@ -82,6 +150,14 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
     const int kv_len = plan.kv_len[b];
 
     load_query_rows<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);
+    // The KV a packed row r of the CTA may see: the built-in masks', or the whole item for a custom variant (its
+    // logits_mask decides).
+    auto kv_range = [&](int r, int* lo, int* hi) {
+      row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, lo, hi);
+      if constexpr (kCustom) {
+        if (r < rows) *lo = it.kv_begin, *hi = it.kv_end;
+      }
+    };
 
     // The rows this thread holds in the mma fragments: m tile mt, half h -> warp_row0 + 16 mt + lane / 4 + 8 h.
     // Only the warp's bounds stay in registers; masked tiles recompute a row's range.
@@ -93,7 +169,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
       for (int h = 0; h < 2; ++h) {
         const int r = warp_row0 + 16 * mt + lane / 4 + 8 * h;
         int lo, hi;
-        row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &lo, &hi);
+        kv_range(r, &lo, &hi);
         if (r < rows) w_max_lo = max(w_max_lo, lo), w_min_hi = min(w_min_hi, hi);
         if (lo < hi) w_lo = min(w_lo, lo), w_hi = max(w_hi, hi);
       }
@@ -132,6 +208,16 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
                         : kRopeSkipRow;
       });
     }
+    if constexpr (kCustom && OverriddenHooks<V>::kQuery) {  // Q rows in fp32 through the variant, once landed
+      cp_async_wait<0>();
+      __syncthreads();
+      transform_rows<D, Tr::kThreads, Elem>(sQ, rows, [&](int r, float* x) {
+        const QueryRow q = query_row(it, row0 + r, group, kv_head);
+        const LogitIndex li{b, q.tok, query_position(q.tok, qo_len, kv_len), 0, kv_len, q.head, kv_head};
+        V::query_transform(va, li, x, D);
+        return true;
+      });
+    }
     // ldmatrix lanes: Q rows of the warp (A operand), K rows (B of Q K^T), V rows (B of P V, transposed).
     const SwizzledLane<D> q_lane(warp_row0 + lane % 16, lane / 16);
     const SwizzledLane<D> k_lane((lane % 8) + 8 * (lane / 16), (lane / 8) % 2);
@@ -143,7 +229,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
     for (int mt = 0; mt < M; ++mt) {
       #pragma unroll
       for (int n = 0; n < D / 8; ++n) o_acc[mt][n][0] = o_acc[mt][n][1] = o_acc[mt][n][2] = o_acc[mt][n][3] = 0.f;
-      m_run[mt][0] = m_run[mt][1] = -ATTNFORGE_INFINITY;
+      m_run[mt][0] = m_run[mt][1] = kSoftmax ? -ATTNFORGE_INFINITY : 0.f;
       l_run[mt][0] = l_run[mt][1] = 0.f;
     }
 
@@ -161,6 +247,16 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
         const int first = range_lo + t * NS;
         rope_rows<D, Tr::kThreads, Elem>(sK + (t % Tr::kStages) * Tr::kStageElems, NS, vp.rope, s_freqs, [&](int r) {
           return first + r < range_hi ? first + r + rope_offset : kRopeSkipRow;
+        });
+        __syncthreads();
+      }
+      if constexpr (kCustom && OverriddenHooks<V>::kKey) {  // K rows of this stage through the variant
+        const int first = range_lo + t * NS;
+        transform_rows<D, Tr::kThreads, Elem>(sK + (t % Tr::kStages) * Tr::kStageElems, NS, [&](int r, float* x) {
+          if (first + r >= range_hi) return false;
+          const LogitIndex li{b, -1, -1, first + r, kv_len, -1, kv_head};
+          V::key_transform(va, li, x, D);
+          return true;
         });
         __syncthreads();
       }
@@ -199,7 +295,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
         // Scale, transform and mask, then the online softmax update (two rows per m tile per thread). Tiles that
         // every row of the warp sees whole, with no per-element transform or custom mask, skip the masking and keep
         // raw logits: the scale folds into the exponent's FMA (it is positive, so it commutes with the max).
-        const bool plain = !transform && !vp.custom_mask && tile_start >= w_max_lo && tile_start + N <= w_min_hi;
+        const bool plain =
+            !kCustom && !transform && !vp.custom_mask && tile_start >= w_max_lo && tile_start + N <= w_min_hi;
         const float s_mul = plain ? scale_log2 : 1.f;  // masked tiles hold logits in log2 units already
         #pragma unroll
         for (int mt = 0; mt < M; ++mt) {
@@ -218,7 +315,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
               const QueryRow q = query_row(it, row0 + r, group, kv_head);
               const int q_pos = query_position(q.tok, qo_len, kv_len);
               int lo, hi;
-              row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &lo, &hi);
+              kv_range(r, &lo, &hi);
               #pragma unroll
               for (int n = 0; n < N / 8; ++n)
                 #pragma unroll
@@ -226,43 +323,55 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
                   const int j = tile_start + n * 8 + 2 * (lane % 4) + (e % 2);
                   float x = s_acc[mt][n][e];
                   bool allowed = j >= lo && j < hi;
-                  if (allowed && transform)
-                    x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, q.head, q_pos, j) * kLog2e;
-                  else
-                    x *= scale_log2;
-                  if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, q.tok, j, kv_len);
-                  x = allowed ? x : -ATTNFORGE_INFINITY;
+                  if constexpr (kCustom) {
+                    if (allowed) {
+                      const LogitIndex li{b, q.tok, q_pos, j, kv_len, q.head, kv_head};
+                      allowed = V::logits_mask(va, li);
+                      if (allowed) x = V::logits_transform(va, li, x * vp.sm_scale * kv.k_scale);
+                    }
+                    // Without softmax, p = the transformed logit and a left-out key adds nothing.
+                    x = kSoftmax ? (allowed ? x * kLog2e : -ATTNFORGE_INFINITY) : (allowed ? x : 0.f);
+                  } else {
+                    if (allowed && transform)
+                      x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, q.head, q_pos, j) * kLog2e;
+                    else
+                      x *= scale_log2;
+                    if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, q.tok, j, kv_len);
+                    x = allowed ? x : -ATTNFORGE_INFINITY;
+                  }
                   s_acc[mt][n][e] = x;
                   tile_max[h] = fmaxf(tile_max[h], x);
                 }
             }
           }
-          // A row that has seen no allowed key yet keeps m = -inf and subtracts 0 instead: its masked logits
-          // (-inf) give p = 0, and its o and l are still zero, whatever the correction.
-          float corr[2], m_sub[2];
-          #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float m_new = fmaxf(m_run[mt][h], warp_max_quad(tile_max[h]));
-            m_sub[h] = m_new == -ATTNFORGE_INFINITY ? 0.f : m_new;
-            corr[h] = fast_exp2(m_run[mt][h] - m_sub[h]);
-            m_run[mt][h] = m_new;
-            l_run[mt][h] *= corr[h];
+          if constexpr (kSoftmax) {  // without softmax s_acc already holds p
+            // A row that has seen no allowed key yet keeps m = -inf and subtracts 0 instead: its masked logits
+            // (-inf) give p = 0, and its o and l are still zero, whatever the correction.
+            float corr[2], m_sub[2];
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float m_new = fmaxf(m_run[mt][h], warp_max_quad(tile_max[h]));
+              m_sub[h] = m_new == -ATTNFORGE_INFINITY ? 0.f : m_new;
+              corr[h] = fast_exp2(m_run[mt][h] - m_sub[h]);
+              m_run[mt][h] = m_new;
+              l_run[mt][h] *= corr[h];
+            }
+            #pragma unroll
+            for (int n = 0; n < N / 8; ++n)
+              #pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const float pr = fast_exp2(fmaf(s_acc[mt][n][e], s_mul, -m_sub[e / 2]));
+                s_acc[mt][n][e] = pr;
+                l_run[mt][e / 2] += pr;
+              }
+            // Once the running maxima settle, most tiles move none of them: skip the rescale then.
+            if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
+              #pragma unroll
+              for (int n = 0; n < D / 8; ++n) {
+                o_acc[mt][n][0] *= corr[0], o_acc[mt][n][1] *= corr[0];
+                o_acc[mt][n][2] *= corr[1], o_acc[mt][n][3] *= corr[1];
+              }
           }
-          #pragma unroll
-          for (int n = 0; n < N / 8; ++n)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float pr = fast_exp2(fmaf(s_acc[mt][n][e], s_mul, -m_sub[e / 2]));
-              s_acc[mt][n][e] = pr;
-              l_run[mt][e / 2] += pr;
-            }
-          // Once the running maxima settle, most tiles move none of them: skip the rescale then.
-          if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
-            #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-              o_acc[mt][n][0] *= corr[0], o_acc[mt][n][1] *= corr[0];
-              o_acc[mt][n][2] *= corr[1], o_acc[mt][n][3] *= corr[1];
-            }
         }
 
         // O += P V, 16 tokens per k step: the S accumulators of two n8 tiles are exactly the A fragment of one
@@ -292,40 +401,59 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_ker
     }
     cp_async_wait<0>();
 
-    // Each row's state is complete in its quad of lanes: normalize and write it.
-    #pragma unroll
-    for (int mt = 0; mt < M; ++mt)
+    // Each row's state is complete in its quad of lanes: normalize and write it. A custom variant's output
+    // transform needs whole fp32 rows: they go through shared memory instead (custom variants never split KV).
+    if constexpr (kCustom && OverriddenHooks<V>::kOutput) {
+      prefill_variant_epilogue<Tr, V>(p, va, it, o_acc, m_run, l_run, smem, row0, rows, group, kv_head, qo_start,
+                                      qo_len, kv_len);
+    } else {
       #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float l = warp_sum_quad(l_run[mt][h]);
-        const int r = warp_row0 + 16 * mt + lane / 4 + 8 * h;
-        if (r >= rows) continue;
-        const QueryRow q = query_row(it, row0 + r, group, kv_head);
-        float lse = l > 0.f ? m_run[mt][h] + log2f(l) : -ATTNFORGE_INFINITY;
-        float f = l > 0.f ? kv.v_scale / l : 0.f;
-        if (it.partial_row < 0) {
-          f *= apply_sink(vp, q.head, &lse);
-          const int64_t base = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head;
-          #pragma unroll
-          for (int n = 0; n < D / 8; ++n) {
-            const int col = n * 8 + 2 * (lane % 4);
-            store_element(p.o, p.o_dtype, base + col, o_acc[mt][n][2 * h] * f);
-            store_element(p.o, p.o_dtype, base + col + 1, o_acc[mt][n][2 * h + 1] * f);
+      for (int mt = 0; mt < M; ++mt)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float l = warp_sum_quad(l_run[mt][h]);
+          const int r = warp_row0 + 16 * mt + lane / 4 + 8 * h;
+          if (r >= rows) continue;
+          const QueryRow q = query_row(it, row0 + r, group, kv_head);
+          float lse, f;
+          row_scale<kSoftmax>(vp, q.head, m_run[mt][h], l, kv.v_scale, it.partial_row < 0, &lse, &f);
+          if (it.partial_row < 0) {
+            const int64_t base = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head;
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+              const int col = n * 8 + 2 * (lane % 4);
+              store_element(p.o, p.o_dtype, base + col, o_acc[mt][n][2 * h] * f);
+              store_element(p.o, p.o_dtype, base + col + 1, o_acc[mt][n][2 * h + 1] * f);
+            }
+            if (p.lse && lane % 4 == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
+          } else {
+            const int64_t prow = static_cast<int64_t>(it.partial_row) + (q.tok - it.qo_begin);
+            float* dst = plan.partial_o + (prow * p.num_qo_heads + q.head) * D;
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+              const int col = n * 8 + 2 * (lane % 4);
+              *reinterpret_cast<float2*>(dst + col) = make_float2(o_acc[mt][n][2 * h] * f, o_acc[mt][n][2 * h + 1] * f);
+            }
+            if (lane % 4 == 0) plan.partial_lse[prow * p.num_qo_heads + q.head] = lse;
           }
-          if (p.lse && lane % 4 == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
-        } else {
-          const int64_t prow = static_cast<int64_t>(it.partial_row) + (q.tok - it.qo_begin);
-          float* dst = plan.partial_o + (prow * p.num_qo_heads + q.head) * D;
-          #pragma unroll
-          for (int n = 0; n < D / 8; ++n) {
-            const int col = n * 8 + 2 * (lane % 4);
-            *reinterpret_cast<float2*>(dst + col) = make_float2(o_acc[mt][n][2 * h] * f, o_acc[mt][n][2 * h + 1] * f);
-          }
-          if (lane % 4 == 0) plan.partial_lse[prow * p.num_qo_heads + q.head] = lse;
         }
-      }
+    }
     __syncthreads();  // shared memory (Q, stages, bounds) is reused by the next item
   }
+}
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) prefill_kernel(const AttentionParams p) {
+  prefill_body<Tr, BuiltinOptions>(p, VariantArgs{});
+}
+
+// A custom variant V's prefill kernel, rendered by NVRTC keys like decode_variant_kernel (decode_kernel.cuh).
+template <class Tr, class V>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    prefill_variant_kernel(const AttentionParams p, const VariantArgs args) {
+  VariantArgs a = args;
+  a.options = &p.variant;
+  prefill_body<Tr, V>(p, a);
 }
 
 }  // namespace attnforge::cuda
