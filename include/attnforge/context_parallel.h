@@ -24,6 +24,7 @@
 // they are not an interval, and position-dependent options stay rejected.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -96,5 +97,23 @@ void run_context_parallel(const AttentionPlan& rank_plan, const TensorView& q, c
                           const Outputs& outputs, const AttentionOptions& options, const Workspace& workspace,
                           const RankStateLayout& layout, void* gathered, int32_t rank, int32_t world_size,
                           void* nccl_comm, Stream stream = nullptr);
+
+// NCCL communicators for callers that have no ncclComm_t of their own (the Python bindings). The caller shares
+// the 128 bytes of nccl_unique_id() from one rank with the others (any channel), then every rank calls
+// nccl_comm_init_rank with them, collectively. CUDA builds only; others throw Error(kUnsupported).
+constexpr size_t kNcclUniqueIdBytes = 128;
+std::string nccl_unique_id();  // ncclGetUniqueId's ncclUniqueId, as its bytes
+// An ncclComm_t of `world_size` ranks on CUDA device `cuda_device` (made current for the call, then restored);
+// the caller destroys it with nccl_comm_destroy. Blocks until every rank has called it.
+void* nccl_comm_init_rank(int32_t world_size, int32_t rank, const std::string& unique_id, int32_t cuda_device);
+void nccl_comm_destroy(void* comm);
+// What NCCL says about a communicator (ncclCommCount, ncclCommUserRank, ncclCommCuDevice): how a communicator
+// made elsewhere (cupy, torch's ProcessGroupNCCL) is checked against the world size and rank it is used with.
+struct NcclCommInfo {
+  int32_t world_size = 0;
+  int32_t rank = 0;
+  int32_t cuda_device = 0;
+};
+NcclCommInfo nccl_comm_info(void* comm);
 
 }  // namespace attnforge

@@ -8,8 +8,11 @@ from . import _C, _torch
 from ._C import CustomVariant, builtin_variant
 from ._errors import (BackendError, Error, InvalidArgumentError, PlanMismatchError, UnsupportedError,
                       WorkspaceError)
+from . import distributed
 from .cascade import merge_state, merge_states
 from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
+from .distributed import (ContextParallelBatchDecodeWithPagedKVCacheWrapper,
+                          ContextParallelBatchPrefillWithPagedKVCacheWrapper)
 from .page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens
 from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,
                       single_prefill_with_kv_cache, single_prefill_with_kv_cache_return_lse)
@@ -24,7 +27,8 @@ __all__ = [
     "apply_rope", "apply_rope_inplace", "apply_rope_pos_ids", "apply_rope_pos_ids_inplace", "apply_llama31_rope",
     "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids", "apply_llama31_rope_pos_ids_inplace",
     "Error", "InvalidArgumentError", "UnsupportedError", "WorkspaceError", "PlanMismatchError", "BackendError",
-    "build_info", "cuda_available", "CustomVariant", "builtin_variant",
+    "build_info", "cuda_available", "CustomVariant", "builtin_variant", "distributed",
+    "ContextParallelBatchDecodeWithPagedKVCacheWrapper", "ContextParallelBatchPrefillWithPagedKVCacheWrapper",
 ]
 __version__ = _C.version()
 _torch.register_now_or_after_torch_import()

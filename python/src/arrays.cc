@@ -1,5 +1,7 @@
 #include "arrays.h"
 
+#include <algorithm>
+
 #if ATTNFORGE_NUMPY_API
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #define PY_ARRAY_UNIQUE_SYMBOL attnforge_numpy_api
@@ -184,6 +186,10 @@ bool numpy_view(nb::handle obj, const char* name, TensorView& out) {
       detail::fail_arg("{}: stride of {} bytes in dimension {} is not a multiple of the element size {}", name, bytes,
                        i, itemsize);
     strides[i] = bytes / itemsize;
+  }
+  if (PyArray_SIZE(a) == 0) {  // numpy may give an array without elements zero strides: give it dense ones
+    int64_t dense = 1;
+    for (int i = ndim - 1; i >= 0; --i) strides[i] = dense, dense *= std::max<int64_t>(shape[i], 1);
   }
   DLTensor dl{};
   dl.data = PyArray_DATA(a);

@@ -163,7 +163,7 @@ BatchAttention::Call BatchAttention::prepare(nb::handle q, nb::handle kv_a, nb::
   const AttentionPlan& plan = attention_plan();
   Call c;
   c.q = view_of(q, "q");
-  c.outputs = Outputs{view_of(out, "out"), optional_view(lse, "lse")};
+  c.outputs = Outputs{optional_view(out, "out"), optional_view(lse, "lse")};  // out: None for context-parallel slots
   c.options = defaults_;
   if (o.sm_scale) c.options.sm_scale = *o.sm_scale;
   if (o.q_scale) {
@@ -236,6 +236,50 @@ void BatchAttention::run_variant(nb::handle q, nb::handle kv_a, nb::handle kv_b,
   nb::gil_scoped_release release;  // the first call compiles the variant (seconds); other threads may run
   attnforge::run_variant(plan_, c.q, c.paged, c.outputs, c.options, variant, inputs, Workspace{ws_, ws_usable_},
                          c.stream);
+}
+
+void* gathered_states(nb::handle buffer, const RankStateLayout& layout, int32_t world_size, Device* device) {
+  const TensorView g = view_of(buffer, "gathered_buffer");
+  if (!g.is_contiguous())
+    detail::fail_arg("gathered_buffer: strides {}; expected a contiguous buffer", strides_string(g));
+  if (world_size < 1) detail::fail_arg("world_size: {}; expected >= 1", world_size);
+  const auto address = reinterpret_cast<uintptr_t>(g.data);
+  const size_t bytes = bytes_of(g), skip = (256 - address % 256) % 256;
+  const size_t needed = static_cast<size_t>(world_size) * layout.rank_bytes();
+  if (bytes < skip + needed)
+    detail::fail(ErrorKind::kWorkspace,
+                 "gathered_buffer: {} bytes ({} usable from its first 256-byte aligned address); {} ranks' states need "
+                 "{} ({} x RankStateLayout::rank_bytes {})",
+                 bytes, bytes > skip ? bytes - skip : 0, world_size, needed, world_size, layout.rank_bytes());
+  *device = g.device;
+  return reinterpret_cast<void*>(address + skip);
+}
+
+void BatchAttention::check_context_parallel(KVPartition partition) const {
+  if (attention_plan().kv_format == KVFormat::kRagged)
+    detail::fail(ErrorKind::kUnsupported, "context parallelism: this plan is for ragged KV; it splits paged KV caches");
+  check_context_parallel_options(defaults_, partition);
+}
+
+void BatchAttention::run_context_parallel(nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::handle out,
+                                          nb::handle lse, uintptr_t stream, const Overrides& overrides,
+                                          const RankStateLayout& layout, KVPartition partition, nb::handle gathered,
+                                          int32_t rank, int32_t world_size, uintptr_t communicator) {
+  check_context_parallel(partition);
+  Device buffer_device;
+  void* states = gathered_states(gathered, layout, world_size, &buffer_device);
+  detail::expect_device(TensorView(states, DType::kUInt8, {1}, buffer_device), "gathered_buffer", device_);
+  const Call c = prepare(q, kv_a, kv_b, out, lse, stream, overrides);
+  check_context_parallel_options(c.options, partition);  // the per-layer options too
+  const Workspace ws{ws_, ws_usable_};
+  nb::gil_scoped_release release;
+  if (communicator != 0) {
+    attnforge::run_context_parallel(plan_, c.q, c.paged, c.outputs, c.options, ws, layout, states, rank, world_size,
+                                    reinterpret_cast<void*>(communicator), c.stream);
+    return;
+  }
+  if (rank < 0 || rank >= world_size) detail::fail_arg("rank: {}; expected in [0, {})", rank, world_size);
+  attnforge::run(plan_, c.q, c.paged, layout.rank_outputs(states, rank, device_), c.options, ws, c.stream);
 }
 
 double BatchAttention::time_repeated_run(nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::handle out,

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attnforge/attnforge.h"
+#include "attnforge/context_parallel.h"
 #include "staging.h"
 
 namespace attnforge::python {
@@ -54,6 +55,17 @@ class BatchAttention {
   void run_variant(nanobind::handle q, nanobind::handle kv_a, nanobind::handle kv_b, nanobind::handle out,
                    nanobind::handle lse, const Overrides& overrides, const CustomVariant& variant,
                    const std::vector<float>& scalars, const std::vector<nanobind::handle>& tensors);
+  // Context parallelism (attnforge/context_parallel.h), on a plan of this rank's share of the pages. Throws
+  // Error(kUnsupported) naming the first default option (given to plan()) a split cannot honour.
+  void check_context_parallel(KVPartition partition) const;
+  // This rank's run() into its slot of `gathered` (the packed states of all ranks as `layout` says, checked by
+  // gathered_states()); then, with a communicator (an ncclComm_t; 0: none), the all-gather and the merge into out
+  // and lse (attnforge::run_context_parallel). Without one, only the slot is written: ranks simulated in one
+  // process, or states the caller moves itself, merged by merge_gathered_states.
+  void run_context_parallel(nanobind::handle q, nanobind::handle kv_a, nanobind::handle kv_b, nanobind::handle out,
+                            nanobind::handle lse, uintptr_t stream, const Overrides& overrides,
+                            const RankStateLayout& layout, KVPartition partition, nanobind::handle gathered,
+                            int32_t rank, int32_t world_size, uintptr_t communicator);
   // The benchmark's baseline: the same call made `iterations` times from C++ with the arrays converted once.
   // Returns host seconds for all of them (GPU work is queued, not waited for).
   double time_repeated_run(nanobind::handle q, nanobind::handle kv_a, nanobind::handle kv_b, nanobind::handle out,
@@ -96,5 +108,9 @@ class BatchAttention {
   AttentionOptions defaults_;
   PinnedStaging staging_;
 };
+
+// The start of the packed states of `world_size` ranks in `buffer` (the first 256-byte aligned address in it, as
+// for the workspace), checking its device, contiguity and size (world_size x layout.rank_bytes() from there).
+void* gathered_states(nanobind::handle buffer, const RankStateLayout& layout, int32_t world_size, Device* device);
 
 }  // namespace attnforge::python

@@ -1,5 +1,6 @@
 // attnforge._C: the nanobind module. Thin by design: arrays become TensorViews (arrays.cc), arguments become the
 // C++ API's structs, and attnforge::Error becomes the Python exception of its kind (set by attnforge/_errors.py).
+#include <fmt/format.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -8,6 +9,7 @@
 
 #include "arrays.h"
 #include "attnforge/attnforge.h"
+#include "attnforge/context_parallel.h"
 #include "attnforge/devices.h"
 #include "batch.h"
 
@@ -166,6 +168,23 @@ NB_MODULE(_C, m) {
           nb::arg("q"), nb::arg("kv_a"), nb::arg("kv_b").none(), nb::arg("out"), nb::arg("lse").none(),
           nb::arg("sm_scale").none(), nb::arg("k_scale").none(), nb::arg("v_scale").none(), nb::arg("variant"),
           nb::arg("scalars"), nb::arg("tensors"))
+      .def("check_context_parallel", &python::BatchAttention::check_context_parallel, nb::arg("partition"))
+      .def(
+          "run_context_parallel",
+          [](python::BatchAttention& self, nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::handle out,
+             nb::handle lse, uintptr_t stream, std::optional<float> sm_scale, std::optional<int32_t> window_left,
+             std::optional<float> logits_soft_cap, std::optional<float> q_scale, std::optional<float> k_scale,
+             std::optional<float> v_scale, nb::handle sinks, const RankStateLayout& layout, KVPartition partition,
+             nb::handle gathered, int32_t rank, int32_t world_size, uintptr_t communicator) {
+            self.run_context_parallel(q, kv_a, kv_b, out, lse, stream,
+                                      {sm_scale, logits_soft_cap, q_scale, k_scale, v_scale, window_left, sinks},
+                                      layout, partition, gathered, rank, world_size, communicator);
+          },
+          nb::arg("q"), nb::arg("kv_a"), nb::arg("kv_b").none(), nb::arg("out").none(), nb::arg("lse").none(),
+          nb::arg("stream"), nb::arg("sm_scale").none(), nb::arg("window_left").none(),
+          nb::arg("logits_soft_cap").none(), nb::arg("q_scale").none(), nb::arg("k_scale").none(),
+          nb::arg("v_scale").none(), nb::arg("sinks").none(), nb::arg("layout"), nb::arg("partition"),
+          nb::arg("gathered"), nb::arg("rank"), nb::arg("world_size"), nb::arg("communicator"))
       .def("time_cpp_run", &python::BatchAttention::time_repeated_run, nb::arg("q"), nb::arg("kv_a"),
            nb::arg("kv_b").none(), nb::arg("out"), nb::arg("lse").none(), nb::arg("stream"), nb::arg("iterations"))
       .def_prop_ro("workspace_bytes", &python::BatchAttention::workspace_bytes)
@@ -245,6 +264,84 @@ NB_MODULE(_C, m) {
       },
       nb::arg("q"), nb::arg("k"), nb::arg("q_rope"), nb::arg("k_rope"), nb::arg("indptr").none(),
       nb::arg("offsets").none(), nb::arg("pos_ids").none(), nb::arg("rope"), nb::arg("stream"));
+
+  // Context parallelism (attnforge/context_parallel.h).
+  nb::enum_<KVPartition>(m, "KVPartition")
+      .value("contiguous", KVPartition::kContiguous)
+      .value("round_robin_pages", KVPartition::kRoundRobinPages);
+  nb::class_<RankStateLayout>(m, "RankStateLayout")
+      .def(nb::init<>())
+      .def("__init__", [](RankStateLayout* l, int64_t n, int32_t num_heads, int32_t head_dim, DType o_dtype) {
+             new (l) RankStateLayout{n, num_heads, head_dim, o_dtype};
+           }, nb::arg("n"), nb::arg("num_heads"), nb::arg("head_dim"), nb::arg("o_dtype") = DType::kFloat32)
+      .def_rw("n", &RankStateLayout::n)
+      .def_rw("num_heads", &RankStateLayout::num_heads)
+      .def_rw("head_dim", &RankStateLayout::head_dim)
+      .def_rw("o_dtype", &RankStateLayout::o_dtype)
+      .def_prop_ro("lse_offset", &RankStateLayout::lse_offset)
+      .def_prop_ro("rank_bytes", &RankStateLayout::rank_bytes)
+      .def("__repr__", [](const RankStateLayout& l) {
+        return fmt::format("RankStateLayout(n={}, num_heads={}, head_dim={}, o_dtype={}, rank_bytes={})", l.n,
+                           l.num_heads, l.head_dim, to_string(l.o_dtype), l.rank_bytes());
+      });
+  m.def(
+      "check_context_parallel_options",
+      [](const AttentionOptions& base, nb::handle alibi_slopes, nb::handle mask_bits, KVPartition partition) {
+        AttentionOptions options = base;
+        options.alibi_slopes = optional_view(alibi_slopes, "alibi_slopes");
+        options.custom_mask.bits = optional_view(mask_bits, "custom_mask");
+        check_context_parallel_options(options, partition);
+      },
+      nb::arg("options"), nb::arg("alibi_slopes").none(), nb::arg("mask").none(), nb::arg("partition"));
+  m.def(
+      "partition_pages",
+      [](nb::handle indptr, nb::handle indices, nb::handle last_page_len, nb::handle block_table,
+         nb::handle seq_lens, int32_t page_size, int32_t world_size, int32_t rank, KVPartition partition) {
+        const PageTable table =
+            block_table.is_none()
+                ? PageTable::csr(view_of(indptr, "indptr"), view_of(indices, "indices"),
+                                 view_of(last_page_len, "last_page_len"))
+                : PageTable::blocks(view_of(block_table, "block_table"), view_of(seq_lens, "seq_lens"));
+        RankPageTable share = partition_pages(table, page_size, world_size, rank, partition);
+        return nb::make_tuple(std::move(share.indptr), std::move(share.indices), std::move(share.last_page_len),
+                              std::move(share.kv_len));
+      },
+      nb::arg("indptr").none(), nb::arg("indices").none(), nb::arg("last_page_len").none(),
+      nb::arg("block_table").none(), nb::arg("seq_lens").none(), nb::arg("page_size"), nb::arg("world_size"),
+      nb::arg("rank"), nb::arg("partition"));
+  m.def(
+      "merge_gathered_states",
+      [](const RankStateLayout& layout, nb::handle buffer, int32_t world_size, nb::handle out, nb::handle lse,
+         uintptr_t stream) {
+        Device device;
+        const void* states = python::gathered_states(buffer, layout, world_size, &device);
+        const Outputs o{view_of(out, "out"), optional_view(lse, "lse")};
+        nb::gil_scoped_release release;
+        merge_gathered_states(layout, states, world_size, o, device, as_stream(stream));
+      },
+      nb::arg("layout"), nb::arg("buffer"), nb::arg("world_size"), nb::arg("out"), nb::arg("lse").none(),
+      nb::arg("stream"));
+  m.def("nccl_unique_id", [] {
+    const std::string id = nccl_unique_id();
+    return nb::bytes(id.data(), id.size());
+  });
+  m.def(
+      "nccl_comm_init_rank",
+      [](int32_t world_size, int32_t rank, nb::bytes unique_id, int32_t device) {
+        const std::string id(unique_id.c_str(), unique_id.size());
+        nb::gil_scoped_release release;  // blocks until every rank has joined
+        return reinterpret_cast<uintptr_t>(nccl_comm_init_rank(world_size, rank, id, device));
+      },
+      nb::arg("world_size"), nb::arg("rank"), nb::arg("unique_id"), nb::arg("device"));
+  m.def("nccl_comm_destroy", [](uintptr_t comm) { nccl_comm_destroy(reinterpret_cast<void*>(comm)); },
+        nb::arg("communicator"));
+  m.def(
+      "nccl_comm_info",
+      [](uintptr_t comm) {
+        const NcclCommInfo info = nccl_comm_info(reinterpret_cast<void*>(comm));
+        return std::make_tuple(info.world_size, info.rank, info.cuda_device);
+      },
+      nb::arg("communicator"));
 
   m.def("version", &version);
   m.def("build_info", &build_info);

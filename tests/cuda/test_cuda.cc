@@ -948,3 +948,20 @@ TEST(CudaContextParallel, NcclCommunicatorOfOneRank) {
   cudaFree(gathered);
   n.ncclCommDestroy(comm);
 }
+
+// The communicators made for callers without an ncclComm_t (the Python bindings), and what NCCL says about them.
+TEST(CudaContextParallel, CommunicatorForCallersWithoutOne) {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  const std::string id = nccl_unique_id();
+  ASSERT_EQ(id.size(), kNcclUniqueIdBytes);
+  void* comm = nccl_comm_init_rank(1, 0, id, 0);
+  ASSERT_NE(comm, nullptr);
+  const NcclCommInfo info = nccl_comm_info(comm);
+  EXPECT_EQ(info.world_size, 1);
+  EXPECT_EQ(info.rank, 0);
+  EXPECT_EQ(info.cuda_device, 0);
+  nccl_comm_destroy(comm);
+  EXPECT_THROW(nccl_comm_init_rank(1, 0, id.substr(1), 0), Error);
+  EXPECT_THROW(nccl_comm_init_rank(2, 2, id, 0), Error);
+  EXPECT_THROW(nccl_comm_init_rank(1, 0, id, 1 << 20), Error);
+}

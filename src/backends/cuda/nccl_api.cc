@@ -30,6 +30,9 @@ NcclApi load() {
   resolve(lib, path, "ncclCommInitRank", &n.ncclCommInitRank);
   resolve(lib, path, "ncclCommDestroy", &n.ncclCommDestroy);
   resolve(lib, path, "ncclAllGather", &n.ncclAllGather);
+  resolve(lib, path, "ncclCommCount", &n.ncclCommCount);
+  resolve(lib, path, "ncclCommUserRank", &n.ncclCommUserRank);
+  resolve(lib, path, "ncclCommCuDevice", &n.ncclCommCuDevice);
   resolve(lib, path, "ncclGetErrorString", &n.ncclGetErrorString);
   return n;  // stays loaded for the life of the process
 }

@@ -21,6 +21,9 @@ struct NcclApi {
   int (*ncclCommInitRank)(NcclComm*, int, NcclUniqueId, int);
   int (*ncclCommDestroy)(NcclComm);
   int (*ncclAllGather)(const void*, void*, size_t, int, NcclComm, cudaStream_t);
+  int (*ncclCommCount)(const NcclComm, int*);
+  int (*ncclCommUserRank)(const NcclComm, int*);
+  int (*ncclCommCuDevice)(const NcclComm, int*);
   const char* (*ncclGetErrorString)(int);
 };
 
