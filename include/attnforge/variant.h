@@ -1,7 +1,7 @@
 // Custom attention variants: C++ source given at run time (hooks of attnforge/kernel/variant_hooks.h), compiled
 // on first use and cached like the run-time compiled GPU kernels (attnforge/jit.h: the same directory, modes and
 // log). On the CPU they are compiled by the host C++ compiler attnforge was built with (or ATTNFORGE_HOST_CXX); on
-// CUDA, into the decode kernel by NVRTC (docs/design.md, "Custom variants").
+// CUDA, into the decode and prefill kernels by NVRTC (docs/design.md, "Custom variants").
 #pragma once
 
 #include <string>
@@ -33,8 +33,8 @@ struct VariantInputs {
 // run() with a custom variant: the same validation, plan and arguments; `options` are the built-in options the
 // variant's hooks can read (VariantArgs::options), and a sink joins the softmax. Plans without KV splits
 // (PlanOptions::disable_split). Without softmax the LSE output holds NaN.
-// CPU plans: the host compiler builds the variant's loop. CUDA plans (decode plans, K/V in Q's dtype): NVRTC builds
-// the decode kernel with the variant's hooks (the struct's hooks must then be __device__ or ATTNFORGE_HOST_DEVICE),
+// CPU plans: the host compiler builds the variant's loop. CUDA plans (decode and prefill plans, K/V in Q's dtype):
+// NVRTC builds the decode or prefill kernel with the variant's hooks (plain functions compile as device code there),
 // on `stream`, asynchronously like run(); key_transform there sees the key's fields only (query fields -1), since
 // one K row serves every query row of a CTA. Tensors in `inputs` live on the plan's device.
 void run_variant(const AttentionPlan& plan, const TensorView& q, const PagedKVCache& kv, const Outputs& outputs,

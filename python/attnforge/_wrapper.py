@@ -149,13 +149,15 @@ class BatchWrapper:
         self._impl.run(q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale, k_scale,
                        v_scale, sinks)
 
-    def _run_variant(self, q, kv_a, kv_b, out, lse, return_lse, sm_scale, k_scale, v_scale, variant, scalars,
+    def _run_variant(self, q, kv_a, kv_b, out, lse, return_lse, stream, sm_scale, k_scale, v_scale, variant, scalars,
                      tensors):
         if _torch.tracing():
             raise NotImplementedError("run(variant=...): custom variants are not registered as torch custom ops")
         out, lse = outputs(q, out, lse, (q.shape[0], self._num_qo_heads, self._head_dim_vo), self._o_dtype_name,
                            return_lse)
-        self._impl.run_variant(q, kv_a, kv_b, out, lse, sm_scale, k_scale, v_scale, variant,
+        if stream is None:
+            stream = current_stream(q, self._device_index) if self._on_cuda else 0
+        self._impl.run_variant(q, kv_a, kv_b, out, lse, stream, sm_scale, k_scale, v_scale, variant,
                                [float(x) for x in scalars], list(tensors))
         return (out, lse) if return_lse else out
 
@@ -203,7 +205,8 @@ class PagedWrapper(BatchWrapper):
         ``variant``: an ``attnforge.CustomVariant`` (C++ hooks compiled at run time and cached, see
         attnforge/variant.h) run instead of the built-in options, with ``variant_scalars`` (up to 8 floats) and
         ``variant_tensors`` (up to 4 arrays whose data pointers the hooks receive). CPU plans made with
-        ``disable_split_kv=True``; without softmax the LSE is NaN.
+        ``disable_split_kv=True``; without softmax the LSE is NaN. On CUDA the variant runs on the stream a plain
+        run() would (decode and prefill plans, K/V in q's dtype).
         """
         if args:
             no_custom_args(args, "run")
@@ -212,7 +215,7 @@ class PagedWrapper(BatchWrapper):
         else:
             kv_a, kv_b = paged_kv_cache, None
         if variant is not None:
-            return self._run_variant(q, kv_a, kv_b, out, lse, return_lse, sm_scale, k_scale, v_scale, variant,
+            return self._run_variant(q, kv_a, kv_b, out, lse, return_lse, stream, sm_scale, k_scale, v_scale, variant,
                                      variant_scalars, variant_tensors)
         return self._run(q, kv_a, kv_b, out, lse, return_lse, stream, sm_scale, window_left, logits_soft_cap, q_scale,
                          k_scale, v_scale, sinks)

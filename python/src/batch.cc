@@ -223,12 +223,12 @@ void BatchAttention::run(nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::han
 }
 
 void BatchAttention::run_variant(nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::handle out, nb::handle lse,
-                                 const Overrides& overrides, const CustomVariant& variant,
+                                 uintptr_t stream, const Overrides& overrides, const CustomVariant& variant,
                                  const std::vector<float>& scalars, const std::vector<nb::handle>& tensors) {
   if (plan_.kv_format == KVFormat::kRagged)
     detail::fail(ErrorKind::kUnsupported,
                  "variant {}: custom variants run on a paged KV cache; this plan is for ragged KV", variant.name);
-  const Call c = prepare(q, kv_a, kv_b, out, lse, 0, overrides);
+  const Call c = prepare(q, kv_a, kv_b, out, lse, stream, overrides);
   VariantInputs inputs;
   inputs.scalars = scalars;
   for (size_t i = 0; i < tensors.size(); ++i)

@@ -53,7 +53,7 @@ class BatchAttention {
   // run() with a custom variant (attnforge/variant.h): the paged cache only, on plans without KV splits; the
   // variant's extra tensors are arrays whose data pointers the hooks receive.
   void run_variant(nanobind::handle q, nanobind::handle kv_a, nanobind::handle kv_b, nanobind::handle out,
-                   nanobind::handle lse, const Overrides& overrides, const CustomVariant& variant,
+                   nanobind::handle lse, uintptr_t stream, const Overrides& overrides, const CustomVariant& variant,
                    const std::vector<float>& scalars, const std::vector<nanobind::handle>& tensors);
   // Context parallelism (attnforge/context_parallel.h), on a plan of this rank's share of the pages. Throws
   // Error(kUnsupported) naming the first default option (given to plan()) a split cannot honour.

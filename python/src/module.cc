@@ -160,13 +160,14 @@ NB_MODULE(_C, m) {
       .def(
           "run_variant",
           [](python::BatchAttention& self, nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::handle out,
-             nb::handle lse, std::optional<float> sm_scale, std::optional<float> k_scale, std::optional<float> v_scale,
-             const CustomVariant& variant, const std::vector<float>& scalars, const std::vector<nb::handle>& tensors) {
-            self.run_variant(q, kv_a, kv_b, out, lse, {sm_scale, {}, {}, k_scale, v_scale, {}, nb::none()}, variant,
-                             scalars, tensors);
+             nb::handle lse, uintptr_t stream, std::optional<float> sm_scale, std::optional<float> k_scale,
+             std::optional<float> v_scale, const CustomVariant& variant, const std::vector<float>& scalars,
+             const std::vector<nb::handle>& tensors) {
+            self.run_variant(q, kv_a, kv_b, out, lse, stream, {sm_scale, {}, {}, k_scale, v_scale, {}, nb::none()},
+                             variant, scalars, tensors);
           },
           nb::arg("q"), nb::arg("kv_a"), nb::arg("kv_b").none(), nb::arg("out"), nb::arg("lse").none(),
-          nb::arg("sm_scale").none(), nb::arg("k_scale").none(), nb::arg("v_scale").none(), nb::arg("variant"),
+          nb::arg("stream"), nb::arg("sm_scale").none(), nb::arg("k_scale").none(), nb::arg("v_scale").none(), nb::arg("variant"),
           nb::arg("scalars"), nb::arg("tensors"))
       .def("check_context_parallel", &python::BatchAttention::check_context_parallel, nb::arg("partition"))
       .def(

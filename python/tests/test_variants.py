@@ -81,3 +81,53 @@ def test_variant_errors_carry_the_cpp_messages(rng, workspace):
         wrapper.run(q, kv, variant=broken)
     with pytest.raises(attnforge.InvalidArgumentError, match="scalars"):
         wrapper.run(q, kv, variant=SIGMOID, variant_scalars=[0.0] * 9)
+
+
+def test_variants_on_cuda_match_the_cpu_run(rng):
+    """The same variants in the CUDA decode and prefill kernels (NVRTC), bf16 on a side torch stream, against the
+    CPU run of the same definitions on the same (bf16-held) values; the tolerance covers the P weights the tensor
+    cores read in bf16."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    heads, kv_heads, dim, page = 8, 2, 128, 16
+    kv_lens, qo_lens = [40, 1, 300], [3, 1, 17]
+    k_cache, v_cache, indptr, indices, last, _, _ = paged_cache(rng, kv_lens, page, kv_heads, dim, "float32", "NHD")
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(qo_indptr[-1]), heads, dim)).astype(np.float32)
+    bias = np.linspace(-0.5, 0.5, heads).astype(np.float32)
+    as_bf16 = [torch.from_numpy(x).to(torch.bfloat16) for x in (q, k_cache, v_cache)]
+    q_cpu, k_cpu, v_cpu = [x.float().numpy() for x in as_bf16]
+    q_gpu, k_gpu, v_gpu = [x.cuda() for x in as_bf16]
+    side = torch.cuda.Stream()
+    for kind in ("decode", "prefill"):
+        rows = len(kv_lens) if kind == "decode" else int(qo_indptr[-1])
+        outs = {}
+        for device in ("cpu", "cuda"):
+            on_gpu = device == "cuda"
+            ws = torch.zeros(64 << 20, dtype=torch.uint8, device="cuda") if on_gpu else np.zeros(64 << 20, np.uint8)
+            dtype = "bfloat16" if on_gpu else "float32"
+            if kind == "decode":
+                w = attnforge.BatchDecodeWithPagedKVCacheWrapper(ws)
+                w.plan(indptr, indices, last, heads, kv_heads, dim, page, q_data_type=dtype, o_data_type="float32",
+                       disable_split_kv=True)
+            else:
+                w = attnforge.BatchPrefillWithPagedKVCacheWrapper(ws)
+                w.plan(qo_indptr, indptr, indices, last, heads, kv_heads, dim, page, q_data_type=dtype,
+                       o_data_type="float32", disable_split_kv=True)
+            qq = (q_gpu if on_gpu else q_cpu)[:rows]
+            kv = (k_gpu, v_gpu) if on_gpu else (k_cpu, v_cpu)
+            b = torch.from_numpy(bias).cuda() if on_gpu else bias
+            if on_gpu:
+                with torch.cuda.stream(side):
+                    res = [w.run(qq, kv, variant=SIGMOID, variant_scalars=[-1.5]),
+                           w.run(qq, kv, variant=HEAD_BIAS, variant_tensors=[b])]
+                side.synchronize()
+                res = [r.cpu().numpy() for r in res]
+            else:
+                res = [w.run(qq, kv, variant=SIGMOID, variant_scalars=[-1.5]),
+                       w.run(qq, kv, variant=HEAD_BIAS, variant_tensors=[b])]
+            outs[device] = res
+        for name, got, want in zip(("sigmoid", "head bias"), outs["cuda"], outs["cpu"]):
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * max(1.0, float(np.abs(want).max())),
+                                       err_msg=f"{kind} {name}")
