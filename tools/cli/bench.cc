@@ -191,7 +191,13 @@ int run_bench(const BenchOptions& options) {
   const std::string device_name = to_string(device.device);
   const SuiteSize& z = options.quick ? kQuickSuite : kFullSuite;
   const int32_t iters = options.iters > 0 ? options.iters : z.iters;
-  const std::vector<BenchCase> suite = serving_suite(z);
+  std::vector<BenchCase> suite = serving_suite(z);
+  if (!options.case_filter.empty()) {
+    std::erase_if(suite, [&](const BenchCase& c) { return c.name.find(options.case_filter) == std::string::npos; });
+    if (suite.empty())
+      throw std::runtime_error(
+          fmt::format("--case {}: no case of suite {} has that in its name", options.case_filter, z.suite));
+  }
   const size_t steps = suite.size() + 2;
   std::ofstream json;
   if (!options.json_path.empty()) {

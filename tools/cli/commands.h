@@ -19,7 +19,7 @@ struct BenchOptions {
   std::string device;  // empty: the best device present
   int32_t iters = 0;  // 0: the suite's default
   std::string suite = "all";  // GPU: all, decode or prefill
-  std::string case_filter;     // GPU: only cases whose name contains this (empty: all)
+  std::string case_filter;     // only the cases whose name contains this (empty: all)
 };
 
 struct WarmupCommandOptions {

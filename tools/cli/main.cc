@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--suite", bench.suite,
                         "On a GPU: all (decode and prefill), decode, prefill, or long (one 1M-token decode, not in all)")
       ->check(CLI::IsMember({"all", "decode", "prefill", "long"}));
-  bench_cmd->add_option("--case", bench.case_filter, "On a GPU: only the cases whose name contains this text");
+  bench_cmd->add_option("--case", bench.case_filter, "Only the cases whose name contains this text");
   bench_cmd->add_option("--iters", bench.iters, "Timed runs per case (default: 20, or 5 with --quick)")
       ->check(CLI::Range(1, 1000000));
 

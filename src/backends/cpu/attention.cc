@@ -262,8 +262,31 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
           }
       }
     }
+    // Software prefetch (fp8 has its own above): a head's K and V rows sit 256-512 bytes apart in every token's
+    // stretch of all heads, too sparse for the hardware prefetchers, and P V stalled on its V loads (perf). While
+    // head kh of this block computes, its V rows of this block and its K and V rows of the next block are requested
+    // (prefetcht2: prefetcht0 and prefetchnta measured slower). docs/perf-notes.md, CPU batch decode v9.
+    const int32_t j1 = j0 + kKVBlock, n1 = fp8 ? 0 : std::min(kKVBlock, range_hi - j1);
+    int64_t k_next[kKVBlock], v_next[kKVBlock];
+    for (int32_t t = 0; t < n1; ++t) {
+      k_next[t] = kv_k_offset(kv, b, j1 + t, 0);
+      v_next[t] = kv_v_offset(kv, b, j1 + t, 0);
+    }
+    const int32_t k_row_bytes = fp8 ? 0 : dqk * dtype_bytes(kv.dtype), v_row_bytes = fp8 ? 0 : dvo * dtype_bytes(kv.dtype);
+    auto prefetch_row = [](const void* base, int64_t element, int32_t elem_bytes, int32_t bytes) {
+      const char* row = static_cast<const char*>(base) + element * elem_bytes;
+      for (int32_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 1);
+    };
     for (int32_t kh = head0; kh < head1; ++kh) {
       const int32_t r_begin = (kh - head0) * per_head, r_end = r_begin + per_head;
+      if (!fp8) {
+        const int32_t eb = dtype_bytes(kv.dtype);
+        for (int32_t t = 0; t < n; ++t) prefetch_row(kv.v, v_base[t] + kh * kv.v_stride_head, eb, v_row_bytes);
+        for (int32_t t = 0; t < n1; ++t) {
+          prefetch_row(kv.k, k_next[t] + kh * kv.k_stride_head, eb, k_row_bytes);
+          prefetch_row(kv.v, v_next[t] + kh * kv.v_stride_head, eb, v_row_bytes);
+        }
+      }
       int64_t k_rows[kKVBlock];
       if (raw_bf16) {
         for (int32_t t = 0; t < n4; ++t) k_rows[t] = k_base[std::min(t, n - 1)] + kh * kv.k_stride_head;
