@@ -23,6 +23,7 @@ namespace attnforge::cpu {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int32_t kMaxRawPvRows = 8;  // rows per head that take the raw bf16 P V path (decode)
 
 inline void scale_row(float* __restrict y, float a, int32_t n) {
 #pragma omp simd
@@ -108,45 +109,66 @@ inline void accumulate_pv(float* acc, const float* p, const float* v, int32_t n,
 }
 
 #if defined(__AVX512BF16__)
-// Scores straight from bf16 K rows with the AVX-512 BF16 dot product (pairs of bf16 products, exact, summed in
-// fp32): K is neither converted nor stored. q holds the row's raw bf16 values; the caller
-// scales the scores. Tokens past n read row n - 1 again (their scores are discarded).
-void score_row_bf16(const uint16_t* q, const uint16_t* k, const int64_t* k_rows, int32_t n, int32_t d,
-                    float* __restrict out) {
+// Scores of R query rows (raw bf16 at q + r * q_stride) straight from bf16 K rows with the AVX-512 BF16 dot product
+// (pairs of bf16 products, exact, summed in fp32): K is neither converted nor stored, and each K load serves all R
+// rows of the head (a GQA group). The caller scales the scores. Tokens past n read row n - 1 again (their scores
+// are discarded).
+template <int R>
+void score_rows_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, const int64_t* k_rows, int32_t n,
+                     int32_t d, float* __restrict out, int32_t out_stride) {
   for (int32_t t = 0; t < n; t += 4) {
-    const uint16_t* k0 = k + k_rows[t];
-    const uint16_t* k1 = k + k_rows[t + 1];
-    const uint16_t* k2 = k + k_rows[t + 2];
-    const uint16_t* k3 = k + k_rows[t + 3];
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const uint16_t* kt[4] = {k + k_rows[t], k + k_rows[t + 1], k + k_rows[t + 2], k + k_rows[t + 3]};
+    __m512 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
     for (int32_t c = 0; c < d; c += 32) {
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + c);  // scratch rows are not 64-byte aligned
-      a0 = _mm512_dpbf16_ps(a0, qv, (__m512bh)_mm512_loadu_si512(k0 + c));
-      a1 = _mm512_dpbf16_ps(a1, qv, (__m512bh)_mm512_loadu_si512(k1 + c));
-      a2 = _mm512_dpbf16_ps(a2, qv, (__m512bh)_mm512_loadu_si512(k2 + c));
-      a3 = _mm512_dpbf16_ps(a3, qv, (__m512bh)_mm512_loadu_si512(k3 + c));
+      __m512bh kc[4];
+      for (int j = 0; j < 4; ++j) kc[j] = (__m512bh)_mm512_loadu_si512(kt[j] + c);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + r * q_stride + c);  // scratch rows: not 64-byte aligned
+        for (int j = 0; j < 4; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], qv, kc[j]);
+      }
     }
-    hsum16x4((F16x)a0, (F16x)a1, (F16x)a2, (F16x)a3, out + t);
+    for (int r = 0; r < R; ++r) hsum16x4((F16x)a[r][0], (F16x)a[r][1], (F16x)a[r][2], (F16x)a[r][3], out + r * out_stride + t);
   }
 }
 
-// acc += P V over tokens [0, n) from raw bf16 V rows, two tokens per AVX-512 BF16 dot product: the rows of
-// tokens t and t + 1 are interleaved (unpack) so each fp32 lane sums v_t[d] p_t + v_t+1[d] p_t+1, with the
-// probability pair broadcast. The unpacks leave the dimensions in a fixed permuted order inside each 32-dim
-// chunk (see unpermute_row); the accumulators stay in that order until the row is written.
-void accumulate_pv_bf16(float* acc, const uint32_t* p_pairs, const uint16_t* v, const int64_t* v_rows, int32_t n,
-                        int32_t d) {
+// acc_r += P_r V over tokens [0, n) for R rows at once from raw bf16 V rows, two tokens per AVX-512 BF16 dot
+// product: the rows of tokens t and t + 1 are interleaved (unpack, once for all R rows) so each fp32 lane sums
+// v_t[d] p_t + v_t+1[d] p_t+1, with the row's probability pair (p_pairs + r * 16) broadcast; 2R independent
+// accumulator chains. The unpacks leave the dimensions in a fixed permuted order inside each 32-dim chunk (see
+// unpermute_row); the accumulators stay in that order until the row is written.
+template <int R>
+void accumulate_pv_rows_bf16(float* acc, int32_t acc_stride, const uint32_t* p_pairs, const uint16_t* v,
+                             const int64_t* v_rows, int32_t n, int32_t d) {
   for (int32_t c = 0; c < d; c += 32) {
-    __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
+    __m512 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = _mm512_loadu_ps(acc + r * acc_stride + c), hi[r] = _mm512_loadu_ps(acc + r * acc_stride + c + 16);
     for (int32_t t = 0; t < n; t += 2) {
       const __m512i vt = _mm512_loadu_si512(v + v_rows[t] + c);
       const __m512i vt1 = _mm512_loadu_si512(v + v_rows[t + 1 < n ? t + 1 : t] + c);  // its probability is 0
-      const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pairs[t / 2]));
-      lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(vt, vt1), pp);
-      hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(vt, vt1), pp);
+      const __m512bh ulo = (__m512bh)_mm512_unpacklo_epi16(vt, vt1), uhi = (__m512bh)_mm512_unpackhi_epi16(vt, vt1);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pairs[r * (kKVBlock / 2) + t / 2]));
+        lo[r] = _mm512_dpbf16_ps(lo[r], ulo, pp);
+        hi[r] = _mm512_dpbf16_ps(hi[r], uhi, pp);
+      }
     }
-    _mm512_storeu_ps(acc + c, lo);
-    _mm512_storeu_ps(acc + c + 16, hi);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * acc_stride + c, lo[r]), _mm512_storeu_ps(acc + r * acc_stride + c + 16, hi[r]);
+  }
+}
+
+// Runs f.template operator()<R>(first row, R) over rows [begin, end) in groups of at most 4 (registers: 16 score
+// accumulators, or 8 P V chains).
+template <class F>
+void for_row_groups(int32_t begin, int32_t end, F&& f) {
+  for (int32_t r = begin; r < end; r += 4) {
+    switch (std::min(4, end - r)) {
+      case 4: f.template operator()<4>(r); break;
+      case 3: f.template operator()<3>(r); break;
+      case 2: f.template operator()<2>(r); break;
+      default: f.template operator()<1>(r); break;
+    }
   }
 }
 
@@ -197,7 +219,8 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   // tensor-core kernels hold them; the same-precision baseline of the tests rounds them likewise).
   // Only for few rows per head (decode): each row repeats the interleaving of V, which a converted fp32 block
   // shares across all rows of a prefill tile.
-  const bool raw_pv = kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && dvo % 32 == 0 && per_head <= 8;
+  const bool raw_pv =
+      kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && dvo % 32 == 0 && per_head <= kMaxRawPvRows;
 #else
   const bool raw_bf16 = false, raw_pv = false;
 #endif
@@ -298,18 +321,21 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
         for (int32_t t = n; t < n4; ++t) std::fill(kb + t * dqk16, kb + t * dqk16 + dqk, 0.f);
       }
       bool any = false;
+#if defined(__AVX512BF16__)
+      if (raw_bf16)  // every row of the head at once, each K load shared by the group (rows without keys included)
+        for_row_groups(r_begin, r_end, [&]<int R>(int32_t r) {
+          score_rows_bf16<R>(reinterpret_cast<const uint16_t*>(q + r * dqk16), 2 * dqk16,
+                             static_cast<const uint16_t*>(kv.k), k_rows, n4, dqk, s + r * kKVBlock, kKVBlock);
+        });
+#endif
       for (int32_t r = r_begin; r < r_end; ++r) {
         float* sr = s + r * kKVBlock;
         const int32_t t_lo = std::max(lo[r] - j0, 0), t_hi = std::min(hi[r] - j0, n);
         active[r] = t_lo < t_hi;
         if (!active[r]) continue;
-#if defined(__AVX512BF16__)
-        if (raw_bf16) {
-          score_row_bf16(reinterpret_cast<const uint16_t*>(q + r * dqk16), static_cast<const uint16_t*>(kv.k), k_rows,
-                         n4, dqk, sr);
+        if (raw_bf16)
           for (int32_t t = 0; t < kKVBlock; t += kLanes) store16(sr + t, load16(sr + t) * q_scale);
-        } else
-#endif
+        else
           score_row(q + r * dqk16, kb, n4, dqk16, sr);
         if (t_lo == 0 && t_hi == kKVBlock && !transform && !vp.custom_mask) {
           // Whole block allowed and no per-logit work: the common case of decode.
@@ -349,16 +375,23 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
       if (raw_pv) {
         int64_t v_rows[kKVBlock];
         for (int32_t t = 0; t < n; ++t) v_rows[t] = v_base[t] + kh * kv.v_stride_head;
+        // Each row's 32 probabilities (zeros past n: masked scores) to bf16 pairs in one instruction, rounded to
+        // nearest even as float_to_bf16 does; rows that see no key of the block weigh 0. Then P V for the head's
+        // rows together, each V load and interleave shared by them.
+        static_assert(kKVBlock == 32, "one cvtne2ps_pbh per block");
+        uint32_t pairs[kMaxRawPvRows * kKVBlock / 2];
         for (int32_t r = r_begin; r < r_end; ++r) {
-          if (!active[r]) continue;
+          uint32_t* pr = pairs + (r - r_begin) * (kKVBlock / 2);
           const float* sr = s + r * kKVBlock;
-          // The block's 32 probabilities (zeros past n: masked scores) to bf16 pairs in one instruction, rounded to
-          // nearest even as float_to_bf16 does.
-          static_assert(kKVBlock == 32, "one cvtne2ps_pbh per block");
-          uint32_t pairs[kKVBlock / 2];
-          _mm512_storeu_si512(pairs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + 16), _mm512_loadu_ps(sr)));
-          accumulate_pv_bf16(acc + r * dvo16, pairs, static_cast<const uint16_t*>(kv.v), v_rows, n, dvo);
+          if (active[r])
+            _mm512_storeu_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + 16), _mm512_loadu_ps(sr)));
+          else
+            std::fill(pr, pr + kKVBlock / 2, 0u);
         }
+        for_row_groups(r_begin, r_end, [&]<int R>(int32_t r) {
+          accumulate_pv_rows_bf16<R>(acc + r * dvo16, dvo16, pairs + (r - r_begin) * (kKVBlock / 2),
+                                     static_cast<const uint16_t*>(kv.v), v_rows, n, dvo);
+        });
         continue;
       }
 #endif
