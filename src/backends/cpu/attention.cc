@@ -108,6 +108,17 @@ inline void accumulate_pv(float* acc, const float* p, const float* v, int32_t n,
   if (c + kLanes <= d16) accumulate_pv_group<1>(acc + c, p, v + c, n, d16);
 }
 
+// n fp8 codes (e4m3 or e5m2) to bf16, exactly: the fp32 value's top half (n a multiple of 16).
+__attribute__((noinline)) void fp8_row_to_bf16(const uint8_t* src, DType type, int32_t n, uint16_t* dst) {
+  for (int32_t i = 0; i < n; i += kLanes) {
+    const F16x f = type == DType::kFloat8E4M3 ? fp8x16_to_float<true>(src + i) : fp8x16_to_float<false>(src + i);
+    U32x16 bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    const U16x16 h = __builtin_convertvector(bits >> 16, U16x16);
+    std::memcpy(dst + i, &h, sizeof(h));
+  }
+}
+
 #if defined(__AVX512BF16__)
 // Scores of R query rows (raw bf16 at q + r * q_stride) straight from bf16 K rows with the AVX-512 BF16 dot product
 // (pairs of bf16 products, exact, summed in fp32): K is neither converted nor stored, and each K load serves all R
@@ -214,16 +225,27 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   const bool fp8 = kv.dtype == DType::kFloat8E4M3 || kv.dtype == DType::kFloat8E5M2;
 #if defined(__AVX512BF16__)
   // bf16 Q and K without RoPE: dot products on the raw bf16 values (see score_row_bf16).
-  const bool raw_bf16 = kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && !rope && dqk % 32 == 0;
   // bf16 Q and V: P V on the raw values too, with probabilities rounded to bf16, the input precision (as
   // tensor-core kernels hold them; the same-precision baseline of the tests rounds them likewise).
   // Only for few rows per head (decode): each row repeats the interleaving of V, which a converted fp32 block
   // shares across all rows of a prefill tile.
+  // fp8 K/V with bf16 Q (decode without RoPE): each block's fp8 rows are converted to bf16 in scratch, exactly (every
+  // e4m3 and e5m2 value is a bf16 value), and take the same two paths.
+  const bool fp8_as_bf16 = fp8 && p.q_dtype == DType::kBFloat16 && !rope && dqk % 32 == 0 && dvo % 32 == 0 &&
+                           per_head <= kMaxRawPvRows;
+  const bool raw_bf16 =
+      (kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && !rope && dqk % 32 == 0) || fp8_as_bf16;
   const bool raw_pv =
-      kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && dvo % 32 == 0 && per_head <= kMaxRawPvRows;
+      (kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && dvo % 32 == 0 && per_head <= kMaxRawPvRows) ||
+      fp8_as_bf16;
 #else
-  const bool raw_bf16 = false, raw_pv = false;
+  const bool raw_bf16 = false, raw_pv = false, fp8_as_bf16 = false;
 #endif
+  // Sources of the raw paths: the cache itself, or the block's rows converted from fp8 (in the K and V block buffers).
+  uint16_t* kb16 = reinterpret_cast<uint16_t*>(kb);
+  uint16_t* vb16 = reinterpret_cast<uint16_t*>(vb);
+  const uint16_t* k_src = fp8_as_bf16 ? kb16 : static_cast<const uint16_t*>(kv.k);
+  const uint16_t* v_src = fp8_as_bf16 ? vb16 : static_cast<const uint16_t*>(kv.v);
   if (rope)
     for (int32_t i = 0; i < vp.rope.rotary_dim / 2; ++i) freqs[i] = rope_frequency(vp.rope, i);
   const int32_t pos_offset = rope && vp.rope.pos_offset ? vp.rope.pos_offset[b] : 0;
@@ -271,47 +293,35 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
       k_base[t] = kv_k_offset(kv, b, j0 + t, 0);
       v_base[t] = kv_v_offset(kv, b, j0 + t, 0);
     }
-    if (fp8) {
-      // fp8 rows are 64-128 bytes at a stride of all heads' rows: too few per 4 KB page for the hardware
-      // prefetchers, and the conversion loop stalls on every row. Request the next block's rows now.
-      const int32_t j1 = j0 + kKVBlock, n1 = std::min(kKVBlock, range_hi - j1);
-      for (int32_t t = 0; t < n1; ++t) {
-        const char* kp = static_cast<const char*>(kv.k) + kv_k_offset(kv, b, j1 + t, 0);
-        const char* vp8 = static_cast<const char*>(kv.v) + kv_v_offset(kv, b, j1 + t, 0);
-        for (int32_t kh = head0; kh < head1; ++kh)
-          for (int32_t c = 0; c < std::max(dqk, dvo); c += 64) {
-            if (c < dqk) __builtin_prefetch(kp + kh * kv.k_stride_head + c);
-            if (c < dvo) __builtin_prefetch(vp8 + kh * kv.v_stride_head + c);
-          }
-      }
-    }
-    // Software prefetch (fp8 has its own above): a head's K and V rows sit 256-512 bytes apart in every token's
-    // stretch of all heads, too sparse for the hardware prefetchers, and P V stalled on its V loads (perf). While
+    // Software prefetch: a head's K and V rows (64-512 bytes) sit apart in every token's stretch of all heads, too
+    // sparse for the hardware prefetchers, and P V stalled on its V loads (perf; fp8, on its conversions). While
     // head kh of this block computes, its V rows of this block and its K and V rows of the next block are requested
     // (prefetcht2: prefetcht0 and prefetchnta measured slower). docs/perf-notes.md, CPU batch decode v9.
-    const int32_t j1 = j0 + kKVBlock, n1 = fp8 ? 0 : std::min(kKVBlock, range_hi - j1);
+    const int32_t j1 = j0 + kKVBlock, n1 = std::min(kKVBlock, range_hi - j1);
     int64_t k_next[kKVBlock], v_next[kKVBlock];
     for (int32_t t = 0; t < n1; ++t) {
       k_next[t] = kv_k_offset(kv, b, j1 + t, 0);
       v_next[t] = kv_v_offset(kv, b, j1 + t, 0);
     }
-    const int32_t k_row_bytes = fp8 ? 0 : dqk * dtype_bytes(kv.dtype), v_row_bytes = fp8 ? 0 : dvo * dtype_bytes(kv.dtype);
+    const int32_t eb = dtype_bytes(kv.dtype), k_row_bytes = dqk * eb, v_row_bytes = dvo * eb;
     auto prefetch_row = [](const void* base, int64_t element, int32_t elem_bytes, int32_t bytes) {
       const char* row = static_cast<const char*>(base) + element * elem_bytes;
       for (int32_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 1);
     };
     for (int32_t kh = head0; kh < head1; ++kh) {
       const int32_t r_begin = (kh - head0) * per_head, r_end = r_begin + per_head;
-      if (!fp8) {
-        const int32_t eb = dtype_bytes(kv.dtype);
-        for (int32_t t = 0; t < n; ++t) prefetch_row(kv.v, v_base[t] + kh * kv.v_stride_head, eb, v_row_bytes);
-        for (int32_t t = 0; t < n1; ++t) {
-          prefetch_row(kv.k, k_next[t] + kh * kv.k_stride_head, eb, k_row_bytes);
-          prefetch_row(kv.v, v_next[t] + kh * kv.v_stride_head, eb, v_row_bytes);
-        }
+      for (int32_t t = 0; t < n; ++t) prefetch_row(kv.v, v_base[t] + kh * kv.v_stride_head, eb, v_row_bytes);
+      for (int32_t t = 0; t < n1; ++t) {
+        prefetch_row(kv.k, k_next[t] + kh * kv.k_stride_head, eb, k_row_bytes);
+        prefetch_row(kv.v, v_next[t] + kh * kv.v_stride_head, eb, v_row_bytes);
       }
       int64_t k_rows[kKVBlock];
-      if (raw_bf16) {
+      if (fp8_as_bf16) {
+        for (int32_t t = 0; t < n; ++t)
+          fp8_row_to_bf16(static_cast<const uint8_t*>(kv.k) + k_base[t] + kh * kv.k_stride_head, kv.dtype, dqk,
+                          kb16 + t * dqk);
+        for (int32_t t = 0; t < n4; ++t) k_rows[t] = std::min(t, n - 1) * dqk;
+      } else if (raw_bf16) {
         for (int32_t t = 0; t < n4; ++t) k_rows[t] = k_base[std::min(t, n - 1)] + kh * kv.k_stride_head;
       } else {
         for (int32_t t = 0; t < n; ++t) {
@@ -324,8 +334,8 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
 #if defined(__AVX512BF16__)
       if (raw_bf16)  // every row of the head at once, each K load shared by the group (rows without keys included)
         for_row_groups(r_begin, r_end, [&]<int R>(int32_t r) {
-          score_rows_bf16<R>(reinterpret_cast<const uint16_t*>(q + r * dqk16), 2 * dqk16,
-                             static_cast<const uint16_t*>(kv.k), k_rows, n4, dqk, s + r * kKVBlock, kKVBlock);
+          score_rows_bf16<R>(reinterpret_cast<const uint16_t*>(q + r * dqk16), 2 * dqk16, k_src, k_rows, n4, dqk,
+                             s + r * kKVBlock, kKVBlock);
         });
 #endif
       for (int32_t r = r_begin; r < r_end; ++r) {
@@ -374,7 +384,12 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
 #if defined(__AVX512BF16__)
       if (raw_pv) {
         int64_t v_rows[kKVBlock];
-        for (int32_t t = 0; t < n; ++t) v_rows[t] = v_base[t] + kh * kv.v_stride_head;
+        for (int32_t t = 0; t < n; ++t) {
+          if (fp8_as_bf16)
+            fp8_row_to_bf16(static_cast<const uint8_t*>(kv.v) + v_base[t] + kh * kv.v_stride_head, kv.dtype, dvo,
+                            vb16 + t * dvo);
+          v_rows[t] = fp8_as_bf16 ? t * dvo : v_base[t] + kh * kv.v_stride_head;
+        }
         // Each row's 32 probabilities (zeros past n: masked scores) to bf16 pairs in one instruction, rounded to
         // nearest even as float_to_bf16 does; rows that see no key of the block weigh 0. Then P V for the head's
         // rows together, each V load and interleave shared by them.
@@ -389,8 +404,8 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
             std::fill(pr, pr + kKVBlock / 2, 0u);
         }
         for_row_groups(r_begin, r_end, [&]<int R>(int32_t r) {
-          accumulate_pv_rows_bf16<R>(acc + r * dvo16, dvo16, pairs + (r - r_begin) * (kKVBlock / 2),
-                                     static_cast<const uint16_t*>(kv.v), v_rows, n, dvo);
+          accumulate_pv_rows_bf16<R>(acc + r * dvo16, dvo16, pairs + (r - r_begin) * (kKVBlock / 2), v_src, v_rows, n,
+                                     dvo);
         });
         continue;
       }
