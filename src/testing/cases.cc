@@ -45,8 +45,8 @@ void fill_nan(const Buffer& b) {
   parallel_for((rows + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t task) {
     for (int64_t r = task * kRowsPerTask; r < std::min(rows, (task + 1) * kRowsPerTask); ++r) {
       const size_t i = static_cast<size_t>(r) * row.size();
-      cpu::store_row(b.data(), b.dtype, static_cast<int64_t>(i), static_cast<int32_t>(std::min(row.size(), b.count - i)),
-                     row.data());
+      const auto n = static_cast<int32_t>(std::min(row.size(), b.count - i));
+      cpu::store_row(b.data(), b.dtype, static_cast<int64_t>(i), n, row.data());
     }
   });
 }
@@ -145,7 +145,8 @@ Case make_case(const CaseSpec& spec) {
     const uint64_t state = rng();
     const int64_t nk = static_cast<int64_t>(c.k_vals[b].size()), nv = static_cast<int64_t>(c.v_vals[b].size());
     for (int64_t n = 0; n < nk; n += kChunk)
-      chunks.push_back({c.k_vals[b].data() + n, std::min(kChunk, nk - n), state + static_cast<uint64_t>(n) * kGamma, k_div});
+      chunks.push_back(
+          {c.k_vals[b].data() + n, std::min(kChunk, nk - n), state + static_cast<uint64_t>(n) * kGamma, k_div});
     for (int64_t n = 0; n < nv; n += kChunk)
       chunks.push_back({c.v_vals[b].data() + n, std::min(kChunk, nv - n),
                         state + static_cast<uint64_t>(nk + n) * kGamma, v_div});

@@ -111,7 +111,8 @@ std::vector<double> reference(const Case& c, const VariantArgs& args, bool round
     for (int32_t t = 0; t < qo_len; ++t)
       for (int32_t h = 0; h < H; ++h) {
         LogitIndex i{b, t, query_position(t, qo_len, kv_len), 0, kv_len, h, h / group};
-        std::vector<float> q(c.q_vals.begin() + ((start + t) * H + h) * D, c.q_vals.begin() + ((start + t) * H + h + 1) * D);
+        const auto q_row = c.q_vals.begin() + ((start + t) * H + h) * D;
+        std::vector<float> q(q_row, q_row + D);
         V::query_transform(args, i, q.data(), D);
         rounded(q);
         std::vector<double> w(kv_len, 0.0);

@@ -140,7 +140,8 @@ void score_rows_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, con
         for (int j = 0; j < 4; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], qv, kc[j]);
       }
     }
-    for (int r = 0; r < R; ++r) hsum16x4((F16x)a[r][0], (F16x)a[r][1], (F16x)a[r][2], (F16x)a[r][3], out + r * out_stride + t);
+    for (int r = 0; r < R; ++r)
+      hsum16x4((F16x)a[r][0], (F16x)a[r][1], (F16x)a[r][2], (F16x)a[r][3], out + r * out_stride + t);
   }
 }
 
@@ -154,7 +155,10 @@ void accumulate_pv_rows_bf16(float* acc, int32_t acc_stride, const uint32_t* p_p
                              const int64_t* v_rows, int32_t n, int32_t d) {
   for (int32_t c = 0; c < d; c += 32) {
     __m512 lo[R], hi[R];
-    for (int r = 0; r < R; ++r) lo[r] = _mm512_loadu_ps(acc + r * acc_stride + c), hi[r] = _mm512_loadu_ps(acc + r * acc_stride + c + 16);
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm512_loadu_ps(acc + r * acc_stride + c);
+      hi[r] = _mm512_loadu_ps(acc + r * acc_stride + c + 16);
+    }
     for (int32_t t = 0; t < n; t += 2) {
       const __m512i vt = _mm512_loadu_si512(v + v_rows[t] + c);
       const __m512i vt1 = _mm512_loadu_si512(v + v_rows[t + 1 < n ? t + 1 : t] + c);  // its probability is 0
@@ -165,11 +169,14 @@ void accumulate_pv_rows_bf16(float* acc, int32_t acc_stride, const uint32_t* p_p
         hi[r] = _mm512_dpbf16_ps(hi[r], uhi, pp);
       }
     }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * acc_stride + c, lo[r]), _mm512_storeu_ps(acc + r * acc_stride + c + 16, hi[r]);
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(acc + r * acc_stride + c, lo[r]);
+      _mm512_storeu_ps(acc + r * acc_stride + c + 16, hi[r]);
+    }
   }
 }
 
-// Runs f.template operator()<R>(first row, R) over rows [begin, end) in groups of at most 4 (registers: 16 score
+// Calls f.template operator()<R>(first row) over rows [begin, end) in groups of R <= 4 rows (registers: 16 score
 // accumulators, or 8 P V chains).
 template <class F>
 void for_row_groups(int32_t begin, int32_t end, F&& f) {
@@ -224,11 +231,11 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   const bool rope = vp.rope.enabled != 0;
   const bool fp8 = kv.dtype == DType::kFloat8E4M3 || kv.dtype == DType::kFloat8E5M2;
 #if defined(__AVX512BF16__)
-  // bf16 Q and K without RoPE: dot products on the raw bf16 values (see score_row_bf16).
+  // bf16 Q and K without RoPE: dot products on the raw bf16 values (see score_rows_bf16).
   // bf16 Q and V: P V on the raw values too, with probabilities rounded to bf16, the input precision (as
   // tensor-core kernels hold them; the same-precision baseline of the tests rounds them likewise).
-  // Only for few rows per head (decode): each row repeats the interleaving of V, which a converted fp32 block
-  // shares across all rows of a prefill tile.
+  // Only for few rows per head (decode): the bf16 probabilities are packed per row and block, which a prefill
+  // tile's many rows do better through one converted fp32 block.
   // fp8 K/V with bf16 Q (decode without RoPE): each block's fp8 rows are converted to bf16 in scratch, exactly (every
   // e4m3 and e5m2 value is a bf16 value), and take the same two paths.
   const bool fp8_as_bf16 = fp8 && p.q_dtype == DType::kBFloat16 && !rope && dqk % 32 == 0 && dvo % 32 == 0 &&
