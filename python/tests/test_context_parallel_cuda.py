@@ -120,3 +120,31 @@ def test_raw_communicator_handle_and_checks(rng, communicator):
         wrapper.run(q, kv, sinks=torch.zeros(HEADS, device="cuda"))
     with pytest.raises(attnforge.InvalidArgumentError, match=r"rank: 1; expected in \[0, 1\)"):
         distributed.NcclCommunicator(1, 1, distributed.nccl_unique_id())
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ranks_on_separate_gpus(world):
+    """world ranks, one process and one GPU each (context_parallel_worker.py), over an NcclCommunicator made from
+    one unique id: decode and prefill, both partitions, eager and CUDA graph, against one GPU and float64."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs; {torch.cuda.device_count()} visible")
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    uid = distributed.nccl_unique_id().hex()
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    workers = [subprocess.Popen([sys.executable, os.path.join(here, "context_parallel_worker.py"), str(r), str(world),
+                                 uid, "1234"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for r in range(world)]
+    outputs = []
+    try:
+        for w in workers:
+            outputs.append(w.communicate(timeout=300)[0])
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    for r, (w, text) in enumerate(zip(workers, outputs)):
+        assert w.returncode == 0, f"rank {r} of {world} exited with {w.returncode}:\n{text[-3000:]}"
+        assert f"rank {r}: 24 checks passed" in text, text[-3000:]

@@ -10,6 +10,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include "attnforge/context_parallel.h"
@@ -947,6 +948,106 @@ TEST(CudaContextParallel, NcclCommunicatorOfOneRank) {
   cudaStreamDestroy(stream);
   cudaFree(gathered);
   n.ncclCommDestroy(comm);
+}
+
+// run_context_parallel over NCCL with one thread and one GPU per rank, for every world size from 2 up to the
+// visible GPUs (at most 8): decode and prefill, both partitions, a GQA group of 5, soft-cap, an empty request;
+// each rank plans and runs only its share, eagerly and replayed from a CUDA graph (the all-gather captured), into
+// poisoned outputs, and every rank's merged result is checked against the float64 reference. Skipped with fewer
+// than 2 GPUs (scripts/device-check runs it on a two-GPU machine).
+TEST(CudaContextParallel, NcclRanksOnSeparateGpus) {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  int count = 0;
+  ASSERT_EQ(cudaSuccess, cudaGetDeviceCount(&count));
+  if (count < 2) GTEST_SKIP() << "needs 2 or more GPUs; " << count << " visible";
+  for (int32_t world = 2; world <= std::min(count, 8); ++world)
+    for (PlanKind kind : {PlanKind::kDecode, PlanKind::kPrefill})
+      for (KVPartition partition : {KVPartition::kContiguous, KVPartition::kRoundRobinPages}) {
+        CaseSpec s;
+        s.kind = kind;
+        s.kv_lens = {1, 700, 0, 3001, 17, 48, 16};
+        for (int32_t n : s.kv_lens) s.qo_lens.push_back(kind == PlanKind::kDecode ? 1 : std::max(1, std::min(7, n)));
+        s.num_qo_heads = 10, s.num_kv_heads = 2, s.head_dim_qk = 128, s.page_size = 16;
+        s.options.soft_cap = 30.f;
+        s.seed = 4242;
+        const std::string id = nccl_unique_id();
+        std::vector<std::string> failures(world);
+        auto rank_main = [&](int32_t r) {
+          std::string& failure = failures[r];
+          void* comm = nullptr;
+          std::vector<void*> allocations;
+          cudaStream_t stream = nullptr;
+          try {
+            if (cudaSetDevice(r) != cudaSuccess) throw std::runtime_error("cudaSetDevice");
+            comm = nccl_comm_init_rank(world, r, id, r);  // first: a rank that fails later cannot strand the others here
+            Case c = make_case(s);  // the same seed on every rank: the same batch
+            DeviceCase dev(c, r);
+            const Device gpu = Device::cuda(r);
+            const RankPageTable share = partition_pages(c.paged.table, s.page_size, world, r, partition);
+            BatchPlanArgs args = c.plan_args();
+            args.device = gpu;
+            args.set_paged(share.table(), s.page_size);
+            args.shape.o_dtype = DType::kFloat32;
+            AttentionPlan plan = kind == PlanKind::kDecode ? plan_batch_decode(args) : plan_batch_prefill(args);
+            const UploadedPlan uploaded(plan);
+            auto to_device = [&](const std::vector<int32_t>& host) {
+              void* d = nullptr;
+              if (cudaMalloc(&d, std::max<size_t>(4, host.size() * 4)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
+              allocations.push_back(d);
+              if (!host.empty() && cudaMemcpy(d, host.data(), host.size() * 4, cudaMemcpyHostToDevice) != cudaSuccess)
+                throw std::runtime_error("cudaMemcpy");
+              return TensorView(d, DType::kInt32, {static_cast<int64_t>(host.size())}, gpu);
+            };
+            PagedKVCache kv = dev.paged;
+            kv.table = PageTable::csr(to_device(share.indptr), to_device(share.indices), to_device(share.last_page_len));
+            const RankStateLayout layout{c.total_qo(), s.num_qo_heads, c.head_dim_vo(), DType::kFloat32};
+            void* gathered = nullptr;
+            if (cudaMalloc(&gathered, world * layout.rank_bytes()) != cudaSuccess) throw std::runtime_error("cudaMalloc");
+            allocations.push_back(gathered);
+            cudaMemset(gathered, 0xff, world * layout.rank_bytes());  // NaN until written
+            if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
+              throw std::runtime_error("cudaStreamCreate");
+            auto step = [&] {
+              run_context_parallel(plan, dev.q, kv, Outputs{dev.out, dev.lse}, dev.options, uploaded.w, layout, gathered,
+                                   r, world, comm, stream);
+            };
+            for (int graph = 0; graph < 2; ++graph) {
+              c.poison_outputs();
+              dev.upload_outputs(c);
+              if (graph == 0) {
+                step();
+              } else {
+                cudaGraph_t g;
+                cudaGraphExec_t exec;
+                if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+                  throw std::runtime_error("cudaStreamBeginCapture");
+                step();
+                if (cudaStreamEndCapture(stream, &g) != cudaSuccess || cudaGraphInstantiate(&exec, g, 0) != cudaSuccess ||
+                    cudaGraphLaunch(exec, stream) != cudaSuccess)
+                  throw std::runtime_error("CUDA graph capture or launch");
+                cudaGraphExecDestroy(exec);
+                cudaGraphDestroy(g);
+              }
+              if (cudaStreamSynchronize(stream) != cudaSuccess) throw std::runtime_error("cudaStreamSynchronize");
+              dev.download_outputs(c);
+              const Verdict v = check_case(c, {});
+              if (!v.ok) failure += std::string(graph ? "graph replay: " : "eager: ") + v.message + "; ";
+            }
+          } catch (const std::exception& e) {
+            failure += e.what();
+          }
+          if (stream) cudaStreamDestroy(stream);
+          for (void* p : allocations) cudaFree(p);
+          if (comm) nccl_comm_destroy(comm);
+        };
+        std::vector<std::thread> threads;
+        for (int32_t r = 0; r < world; ++r) threads.emplace_back(rank_main, r);
+        for (std::thread& t : threads) t.join();
+        for (int32_t r = 0; r < world; ++r)
+          EXPECT_EQ(failures[r], "") << "rank " << r << " of " << world << (kind == PlanKind::kDecode ? ", decode, " : ", prefill, ")
+                                     << to_string(partition);
+      }
+  cudaSetDevice(0);
 }
 
 // The communicators made for callers without an ncclComm_t (the Python bindings), and what NCCL says about them.

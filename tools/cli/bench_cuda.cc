@@ -11,14 +11,18 @@
 #endif
 
 #include <algorithm>
+#include <barrier>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "attnforge/context_parallel.h"
 #include "attnforge/devices.h"
 #include "attnforge/jit.h"
 #include "bench_common.h"
@@ -94,9 +98,6 @@ std::vector<GpuBenchCase> gpu_suite(bool quick) {
   return v;
 }
 
-// Suite "long" (not in "all", to keep the full run within a device call): one request of 1M tokens, the one-GPU
-// baseline of issue 7's context-parallel decode (4.3 GB of bf16 K/V; the targets: 1.8x on 2 GPUs, 3.3x on 4).
-std::vector<GpuBenchCase> gpu_long_suite() { return {{"decode 1x1048576", gpu_decode(1, 1 << 20)}}; }
 
 testing::CaseSpec gpu_prefill(std::vector<int32_t> qo, std::vector<int32_t> kv, bool causal, int32_t head_dim = 128,
                               int32_t page_size = 16) {
@@ -318,6 +319,208 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
   return r;
 }
 
+// Suite "long" (issue 7; not in "all", to keep the full run within a device call): decode of one request of 1M
+// tokens (32 query heads over 8 KV heads, head_dim 128, bf16: 4.3 GB of K/V) on 1 GPU and split over 2, 4 and 8
+// (up to --gpus, default every visible GPU) with run_context_parallel: one thread and one GPU per rank, one NCCL
+// communicator, each rank's K/V pages on its own GPU. Each step (the rank's run, the all-gather of the states and
+// the merge) is captured in a CUDA graph and replayed back to back after a barrier of the threads; the figure is
+// rank 0's median over samples of kCpReps replays. The merged result of every world size and partition is checked
+// against the float64 reference, and every rank's result must equal rank 0's bit for bit.
+struct CpResult {
+  int32_t world;
+  KVPartition partition;
+  double median_us;
+  double max_rank_kv_bytes;  // the K/V bytes of the rank with the most pages
+  size_t state_bytes;        // one rank's packed (o float32, lse) state: the all-gather's payload per rank
+};
+
+constexpr int32_t kCpReps = 10;
+
+CpResult bench_context_parallel(testing::Case& host, std::vector<std::unique_ptr<testing::DeviceCase>>& devs,
+                                int32_t world, KVPartition partition, int32_t samples) {
+  const testing::CaseSpec& s = host.spec;
+  const std::string id = world > 1 ? nccl_unique_id() : std::string();
+  const RankStateLayout layout{host.total_qo(), s.num_qo_heads, host.head_dim_vo(), DType::kFloat32};
+  std::vector<std::string> failures(world);
+  std::vector<std::vector<uint8_t>> results(world);
+  std::vector<double> rank_bytes(world), rank_us(world);
+  std::barrier sync(world);
+  const size_t out_bytes = host.out.bytes(), lse_bytes = host.lse.bytes();
+  auto rank_main = [&](int32_t r) {
+    void* comm = nullptr;
+    std::vector<void*> allocations;
+    cudaStream_t stream = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    try {
+      check(cudaSetDevice(r), "cudaSetDevice");
+      if (world > 1) comm = nccl_comm_init_rank(world, r, id, r);
+      const testing::DeviceCase& dev = *devs[r];
+      const Device gpu = Device::cuda(r);
+      const RankPageTable share = partition_pages(host.paged.table, s.page_size, world, r, partition);
+      double tokens = 0;
+      for (int32_t n : share.kv_len) tokens += n;
+      rank_bytes[r] = tokens * s.num_kv_heads * (s.head_dim_qk + host.head_dim_vo()) * dtype_bytes(s.kv_dtype);
+      BatchPlanArgs args = host.plan_args();
+      args.device = gpu;
+      args.set_paged(share.table(), s.page_size);
+      if (world > 1) args.shape.o_dtype = DType::kFloat32;  // the states stay fp32 until the merge
+      AttentionPlan plan = plan_batch_decode(args);
+      auto device_alloc = [&](size_t bytes) {
+        void* p = nullptr;
+        check(cudaMalloc(&p, std::max<size_t>(bytes, 256)), "cudaMalloc");
+        allocations.push_back(p);
+        return p;
+      };
+      auto to_device = [&](const std::vector<int32_t>& v) {
+        void* d = device_alloc(v.size() * 4);
+        if (!v.empty()) check(cudaMemcpy(d, v.data(), v.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+        return TensorView(d, DType::kInt32, {static_cast<int64_t>(v.size())}, gpu);
+      };
+      const Workspace w{device_alloc(plan.workspace_bytes), plan.workspace_bytes};
+      PinnedBuffer staging(plan.staging_bytes);
+      check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+      upload_plan(plan, w, staging.ptr, plan.staging_bytes, stream);
+      PagedKVCache kv = dev.paged;
+      kv.table = PageTable::csr(to_device(share.indptr), to_device(share.indices), to_device(share.last_page_len));
+      void* gathered = device_alloc(world * layout.rank_bytes());
+      const Outputs outs{dev.out, dev.lse};
+      auto step = [&] {
+        if (world == 1)
+          run(plan, dev.q, kv, outs, dev.options, w, stream);
+        else
+          run_context_parallel(plan, dev.q, kv, outs, dev.options, w, layout, gathered, r, world, comm, stream);
+      };
+      // Checked first: outputs poisoned (the host case's NaN buffers), one eager step, every rank's bytes kept.
+      dev.upload_outputs(host);
+      check(cudaStreamSynchronize(stream), "upload");
+      sync.arrive_and_wait();
+      step();
+      check(cudaStreamSynchronize(stream), "checked step");
+      // The whole out and lse buffers, guards included (device copies of the host case's buffers).
+      auto whole = [&](const testing::Buffer& b) {
+        return dev.to_device(TensorView(b.data(), b.dtype, {static_cast<int64_t>(b.count)})).data;
+      };
+      results[r].resize(out_bytes + lse_bytes);
+      check(cudaMemcpy(results[r].data(), whole(host.out), out_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy out");
+      check(cudaMemcpy(results[r].data() + out_bytes, whole(host.lse), lse_bytes, cudaMemcpyDeviceToHost),
+            "cudaMemcpy lse");
+      cudaGraph_t g;
+      check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+      step();
+      check(cudaStreamEndCapture(stream, &g), "capture");
+      check(cudaGraphInstantiate(&exec, g, 0), "instantiate");
+      cudaGraphDestroy(g);
+      cudaEventCreate(&e0), cudaEventCreate(&e1);
+      std::vector<double> us;
+      for (int32_t i = 0; i < samples + 3; ++i) {
+        sync.arrive_and_wait();
+        cudaEventRecord(e0, stream);
+        for (int32_t k = 0; k < kCpReps; ++k) check(cudaGraphLaunch(exec, stream), "graph launch");
+        cudaEventRecord(e1, stream);
+        check(cudaEventSynchronize(e1), "timed steps");
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        if (i >= 3) us.push_back(ms * 1e3 / kCpReps);
+      }
+      rank_us[r] = median(us);
+    } catch (const std::exception& e) {
+      failures[r] = e.what();
+    }
+    if (exec) cudaGraphExecDestroy(exec);
+    if (e0) cudaEventDestroy(e0), cudaEventDestroy(e1);
+    if (stream) cudaStreamDestroy(stream);
+    for (void* p : allocations) cudaFree(p);
+    if (comm) nccl_comm_destroy(comm);
+  };
+  std::vector<std::thread> threads;
+  for (int32_t r = 0; r < world; ++r) threads.emplace_back(rank_main, r);
+  for (std::thread& t : threads) t.join();
+  for (int32_t r = 0; r < world; ++r)
+    if (!failures[r].empty()) throw std::runtime_error(fmt::format("world {} rank {}: {}", world, r, failures[r]));
+  for (int32_t r = 1; r < world; ++r)
+    if (results[r] != results[0])
+      throw std::runtime_error(fmt::format("world {} {}: rank {}'s merged result differs from rank 0's", world,
+                                           to_string(partition), r));
+  std::memcpy(host.out.data(), results[0].data(), out_bytes);
+  std::memcpy(host.lse.data(), results[0].data() + out_bytes, lse_bytes);
+  const testing::Verdict v = testing::check_case(host, sampled_rows(host.total_qo()));
+  if (!v.ok)
+    throw std::runtime_error(fmt::format("world {} {}: wrong result, not timing it: {}", world, to_string(partition),
+                                         v.message));
+  host.poison_outputs();
+  return {world, partition, rank_us[0], *std::max_element(rank_bytes.begin(), rank_bytes.end()),
+          world > 1 ? layout.rank_bytes() : 0};
+}
+
+int run_long_bench(const BenchOptions& options, const DeviceInfo& device) {
+  int count = 0;
+  check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  if (device.device.id != 0)
+    throw std::runtime_error("--suite long: ranks run on cuda:0 .. cuda:N-1; pass --device cuda:0 (or none)");
+  const int32_t gpus = options.gpus > 0 ? options.gpus : std::min(count, 8);
+  if (gpus > count)
+    throw std::runtime_error(fmt::format("--gpus {}: {} GPU{} visible", gpus, count, count == 1 ? "" : "s"));
+  std::vector<int32_t> worlds;
+  for (int32_t w : {1, 2, 4, 8})
+    if (w <= gpus) worlds.push_back(w);
+  if (worlds.back() != gpus) worlds.push_back(gpus);
+  setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast stays off on the machines we run on
+  const int32_t samples = options.iters > 0 ? options.iters : 30;
+  check(cudaSetDevice(0), "cudaSetDevice");
+  fmt::print(stderr, "[long] ceiling: device-to-device copy on cuda:0 ...\n");
+  const CopyCeiling copy = copy_bandwidth();
+  testing::CaseSpec spec = gpu_decode(1, 1 << 20);
+  fmt::print(stderr, "[long] building the batch (4.3 GB of K/V) on {} GPU{} ...\n", gpus, gpus == 1 ? "" : "s");
+  testing::Case host = testing::make_case(spec);
+  std::vector<std::unique_ptr<testing::DeviceCase>> devs(gpus);
+  {
+    std::vector<std::thread> uploads;
+    for (int32_t g = 0; g < gpus; ++g)
+      uploads.emplace_back([&, g] { devs[g] = std::make_unique<testing::DeviceCase>(host, g); });
+    for (std::thread& t : uploads) t.join();
+  }
+  std::vector<CpResult> results;
+  for (int32_t world : worlds)
+    for (KVPartition p : {KVPartition::kContiguous, KVPartition::kRoundRobinPages}) {
+      if (world == 1 && p == KVPartition::kRoundRobinPages) continue;  // one rank: both are the whole table
+      results.push_back(bench_context_parallel(host, devs, world, p, samples));
+      const CpResult& r = results.back();
+      fmt::print(stderr, "[long] {} GPU{} {}: checked; median {:.1f} us\n", world, world == 1 ? "" : "s",
+                 to_string(p), r.median_us);
+    }
+  const double one = results[0].median_us;
+  const std::string dev = fmt::format("{} x{} {}", to_string(device.device), gpus, device.name);
+  fmt::print("attnforge bench, suite long-gpu (context parallelism): {}\n", build_info());
+  fmt::print("device {}: {}\n", dev, device.description);
+  fmt::print("case: decode 1x1048576 (32 query heads over 8 KV heads, head_dim 128, bf16, pages of 16)\n");
+  fmt::print("ceiling device-to-device copy (cuda:0): {:.2f} TB/s (read + write)\n\n", copy.gbps / 1e3);
+  fmt::print("{:>5} {:<19} {:>10} {:>8} {:>13} {:>10} {:>15} {:>15}\n", "GPUs", "partition", "median_us", "speedup",
+             "TB/s per GPU", "% of copy", "sent per rank", "recv per rank");
+  nlohmann::json out = nlohmann::json::array();
+  for (const CpResult& r : results) {
+    const double gbps = r.max_rank_kv_bytes / (r.median_us * 1e3);
+    const size_t recv = r.state_bytes * (r.world - 1);
+    fmt::print("{:>5} {:<19} {:>10.1f} {:>7.2f}x {:>13.3f} {:>9.1f}% {:>13} B {:>13} B\n", r.world,
+               to_string(r.partition), r.median_us, one / r.median_us, gbps / 1e3, gbps / copy.gbps * 100,
+               r.state_bytes, recv);
+    nlohmann::json j;
+    j["suite"] = "long", j["case"] = fmt::format("decode 1x1048576 on {} GPU{}", r.world, r.world == 1 ? "" : "s");
+    j["system"] = "attnforge", j["device"] = dev, j["world_size"] = r.world, j["partition"] = to_string(r.partition);
+    j["median_us"] = r.median_us, j["speedup_vs_1"] = one / r.median_us, j["gbps_per_gpu"] = gbps;
+    j["ceiling"] = copy.gbps, j["pct_of_ceiling"] = gbps / copy.gbps * 100, j["bytes"] = r.max_rank_kv_bytes;
+    j["allgather_bytes_sent_per_rank"] = r.state_bytes, j["allgather_bytes_received_per_rank"] = recv;
+    j["samples"] = samples, j["reps_per_sample"] = kCpReps, j["commit"] = git_commit();
+    out.push_back(j);
+  }
+  if (!options.json_path.empty()) {
+    std::ofstream json(options.json_path);
+    if (!json) throw std::runtime_error(fmt::format("--json {}: cannot open the file for writing", options.json_path));
+    json << out.dump(1) << "\n";
+  }
+  return 0;
+}
+
 }  // namespace
 
 std::vector<CompilerComparison> compare_kernel_builds(const DeviceInfo& device, bool quick, int32_t iters) {
@@ -348,7 +551,7 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
   if (options.suite == "all" || options.suite == "decode") suite = gpu_suite(options.quick);
   if (options.suite == "all" || options.suite == "prefill")
     for (GpuBenchCase& c : gpu_prefill_suite(options.quick)) suite.push_back(std::move(c));
-  if (options.suite == "long") suite = gpu_long_suite();
+  if (options.suite == "long") return run_long_bench(options, device);
   if (suite.empty())
     throw std::runtime_error(fmt::format("--suite {}: expected one of {{all, decode, prefill, long}}", options.suite));
   if (!options.case_filter.empty()) {

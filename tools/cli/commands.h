@@ -20,6 +20,7 @@ struct BenchOptions {
   int32_t iters = 0;  // 0: the suite's default
   std::string suite = "all";  // GPU: all, decode or prefill
   std::string case_filter;     // only the cases whose name contains this (empty: all)
+  int32_t gpus = 0;            // suite long: the most GPUs to split over (0: every visible one, at most 8)
 };
 
 struct WarmupCommandOptions {

@@ -27,9 +27,13 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--device", bench.device,
                         "Device to run on, e.g. cpu or cuda:0 (default: the best present; `attnforge info` lists them)");
   bench_cmd->add_option("--suite", bench.suite,
-                        "On a GPU: all (decode and prefill), decode, prefill, or long (one 1M-token decode, not in all)")
+                        "On a GPU: all (decode and prefill), decode, prefill, or long (one 1M-token decode on 1 GPU "
+                        "and split over 2, 4, 8 GPUs by context parallelism; not in all)")
       ->check(CLI::IsMember({"all", "decode", "prefill", "long"}));
   bench_cmd->add_option("--case", bench.case_filter, "Only the cases whose name contains this text");
+  bench_cmd->add_option("--gpus", bench.gpus, "--suite long: the most GPUs to split over (default: every visible GPU, "
+                                             "at most 8)")
+      ->check(CLI::Range(1, 8));
   bench_cmd->add_option("--iters", bench.iters, "Timed runs per case (default: 20, or 5 with --quick)")
       ->check(CLI::Range(1, 1000000));
 
