@@ -140,7 +140,7 @@ def test_ranks_on_separate_gpus(world):
     outputs = []
     try:
         for w in workers:
-            outputs.append(w.communicate(timeout=300)[0])
+            outputs.append(w.communicate(timeout=120)[0])
     finally:
         for w in workers:
             if w.poll() is None:

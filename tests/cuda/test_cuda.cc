@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <barrier>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -972,6 +974,15 @@ TEST(CudaContextParallel, NcclRanksOnSeparateGpus) {
         s.seed = 4242;
         const std::string id = nccl_unique_id();
         std::vector<std::string> failures(world);
+        // The ranks meet before every collective and after it: a CUDA call that synchronizes implicitly
+        // (cudaMalloc, cudaMallocHost, cudaFree) on one thread while another rank's all-gather waits for it
+        // deadlocks. A rank that fails drops out, and the others stop at their next meeting.
+        std::barrier<> sync(world);
+        std::atomic<bool> any_failed = false;
+        auto meet = [&] {
+          sync.arrive_and_wait();
+          if (any_failed) throw std::runtime_error("stopped: another rank failed");
+        };
         auto rank_main = [&](int32_t r) {
           std::string& failure = failures[r];
           void* comm = nullptr;
@@ -1014,27 +1025,32 @@ TEST(CudaContextParallel, NcclRanksOnSeparateGpus) {
             for (int graph = 0; graph < 2; ++graph) {
               c.poison_outputs();
               dev.upload_outputs(c);
-              if (graph == 0) {
-                step();
-              } else {
+              cudaGraphExec_t exec = nullptr;
+              if (graph == 1) {
                 cudaGraph_t g;
-                cudaGraphExec_t exec;
                 if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
                   throw std::runtime_error("cudaStreamBeginCapture");
                 step();
-                if (cudaStreamEndCapture(stream, &g) != cudaSuccess || cudaGraphInstantiate(&exec, g, 0) != cudaSuccess ||
-                    cudaGraphLaunch(exec, stream) != cudaSuccess)
-                  throw std::runtime_error("CUDA graph capture or launch");
-                cudaGraphExecDestroy(exec);
+                if (cudaStreamEndCapture(stream, &g) != cudaSuccess || cudaGraphInstantiate(&exec, g, 0) != cudaSuccess)
+                  throw std::runtime_error("CUDA graph capture");
                 cudaGraphDestroy(g);
               }
+              meet();
+              if (graph == 0)
+                step();
+              else if (cudaGraphLaunch(exec, stream) != cudaSuccess)
+                throw std::runtime_error("cudaGraphLaunch");
               if (cudaStreamSynchronize(stream) != cudaSuccess) throw std::runtime_error("cudaStreamSynchronize");
+              meet();
+              if (exec) cudaGraphExecDestroy(exec);
               dev.download_outputs(c);
               const Verdict v = check_case(c, {});
               if (!v.ok) failure += std::string(graph ? "graph replay: " : "eager: ") + v.message + "; ";
             }
           } catch (const std::exception& e) {
             failure += e.what();
+            any_failed = true;
+            sync.arrive_and_drop();
           }
           if (stream) cudaStreamDestroy(stream);
           for (void* p : allocations) cudaFree(p);

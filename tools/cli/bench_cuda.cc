@@ -397,6 +397,7 @@ CpResult bench_context_parallel(testing::Case& host, std::vector<std::unique_ptr
       sync.arrive_and_wait();
       step();
       check(cudaStreamSynchronize(stream), "checked step");
+      sync.arrive_and_wait();  // no rank allocates or instantiates while another's all-gather waits for it
       // The whole out and lse buffers, guards included (device copies of the host case's buffers).
       auto whole = [&](const testing::Buffer& b) {
         return dev.to_device(TensorView(b.data(), b.dtype, {static_cast<int64_t>(b.count)})).data;
@@ -424,8 +425,10 @@ CpResult bench_context_parallel(testing::Case& host, std::vector<std::unique_ptr
         if (i >= 3) us.push_back(ms * 1e3 / kCpReps);
       }
       rank_us[r] = median(us);
+      sync.arrive_and_wait();  // every rank's collectives are done before any frees (which synchronize implicitly)
     } catch (const std::exception& e) {
       failures[r] = e.what();
+      sync.arrive_and_drop();
     }
     if (exec) cudaGraphExecDestroy(exec);
     if (e0) cudaEventDestroy(e0), cudaEventDestroy(e1);
