@@ -1022,6 +1022,11 @@ TEST(CudaContextParallel, NcclRanksOnSeparateGpus) {
               run_context_parallel(plan, dev.q, kv, Outputs{dev.out, dev.lse}, dev.options, uploaded.w, layout, gathered,
                                    r, world, comm, stream);
             };
+            // The run's and the merge's kernels loaded on this GPU with no collective in flight: CUDA loads a
+            // module on first launch (lazy loading), which can wait on another rank's spinning all-gather.
+            run(plan, dev.q, kv, layout.rank_outputs(gathered, r, gpu), dev.options, uploaded.w, stream);
+            merge_gathered_states(layout, gathered, world, Outputs{dev.out, dev.lse}, gpu, stream);
+            if (cudaStreamSynchronize(stream) != cudaSuccess) throw std::runtime_error("warm-up");
             for (int graph = 0; graph < 2; ++graph) {
               c.poison_outputs();
               dev.upload_outputs(c);

@@ -391,6 +391,10 @@ CpResult bench_context_parallel(testing::Case& host, std::vector<std::unique_ptr
         else
           run_context_parallel(plan, dev.q, kv, outs, dev.options, w, layout, gathered, r, world, comm, stream);
       };
+      // The run's and the merge's kernels loaded on this GPU with no collective in flight: CUDA loads a module on
+      // first launch (lazy loading), which can wait on another rank's spinning all-gather.
+      run(plan, dev.q, kv, world == 1 ? outs : layout.rank_outputs(gathered, r, gpu), dev.options, w, stream);
+      if (world > 1) merge_gathered_states(layout, gathered, world, outs, gpu, stream);
       // Checked first: outputs poisoned (the host case's NaN buffers), one eager step, every rank's bytes kept.
       dev.upload_outputs(host);
       check(cudaStreamSynchronize(stream), "upload");
