@@ -3,6 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
+
 #include "attnforge/kernel/params.h"
 #include "backends/cuda/cuda_check.h"
 
@@ -37,9 +40,32 @@ struct LaunchConfig {
 // grid it includes (merge/merge.cu).
 LaunchConfig attention_launch_config(const AttentionParams& p, int rows_per_cta, const KernelAttributes& attributes);
 
+// A kernel's function attributes are per device: a process that drives several GPUs (one thread per rank, say)
+// must set them on each. get(configure) runs `configure` (which sets them on the current device and returns the
+// CTAs one SM holds) once per device and keeps its result; two threads racing on a device both configure it, which
+// is harmless (the same attributes twice).
+class PerDevice {
+ public:
+  template <typename Configure>
+  int get(Configure&& configure) {
+    int device = 0;
+    ATTNFORGE_CUDA_CHECK(cudaGetDevice(&device));
+    if (device < 0 || device >= static_cast<int>(values_.size())) return configure();
+    int v = values_[device].load(std::memory_order_acquire);
+    if (v == 0) {
+      v = configure();
+      values_[device].store(v, std::memory_order_release);
+    }
+    return v;
+  }
+
+ private:
+  std::array<std::atomic<int>, 64> values_{};
+};
+
 // Raises the kernel's dynamic shared memory limit to smem_bytes and sets its shared-memory carveout (100: prefer
 // shared memory over L1, so the CTAs the occupancy calculation counts on fit); returns the CTAs of `threads`
-// threads one SM holds. Callers keep the result in a function-local static: once per instantiation.
+// threads one SM holds. Callers keep the result in a function-local PerDevice: once per instantiation and device.
 template <typename Kernel>
 int configure_kernel(Kernel kernel, int threads, int smem_bytes, int carveout_percent = 100) {
   ATTNFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));

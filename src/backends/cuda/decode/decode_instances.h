@@ -17,14 +17,14 @@ KernelAttributes attributes_of() {
   return KernelAttributes{Tr::kThreads, Tr::kSmemBytes, 100};
 }
 
-// Sets the attributes once per instantiation; returns the CTAs one SM holds.
+// Sets the attributes once per instantiation and device; returns the CTAs one SM holds.
 template <class Tr>
 int configure_decode() {
-  static const int ctas_per_sm = [] {
+  static PerDevice ctas_per_sm;
+  return ctas_per_sm.get([] {
     const KernelAttributes a = attributes_of<Tr>();
     return configure_kernel(decode_kernel<Tr>, a.threads, a.max_dynamic_smem, a.carveout_percent);
-  }();
-  return ctas_per_sm;
+  });
 }
 
 template <class Tr>

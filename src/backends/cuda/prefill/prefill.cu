@@ -24,14 +24,14 @@ KernelAttributes attributes_of(int stage_tokens) {
                                    : make(PrefillTraits<D, Bf16, false, kStep>{});
 }
 
-// Sets the attributes once per instantiation; returns the CTAs one SM holds.
+// Sets the attributes once per instantiation and device; returns the CTAs one SM holds.
 template <class Tr>
 int configure() {
-  static const int ctas_per_sm = [] {
+  static PerDevice ctas_per_sm;
+  return ctas_per_sm.get([] {
     const KernelAttributes a = prefill_attributes(Tr::kHeadDim, Tr::kStageTokens);
     return configure_kernel(prefill_kernel<Tr>, a.threads, a.max_dynamic_smem, a.carveout_percent);
-  }();
-  return ctas_per_sm;
+  });
 }
 
 template <int D, typename Elem, bool kRope>
