@@ -5,7 +5,8 @@
 // What is built: the host-side partition of a page table (partition_pages), the check of which options a split
 // can honour (check_context_parallel_options), the packed per-rank state layout (RankStateLayout) and the merge
 // of gathered states (merge_gathered_states, on the CPU or a CUDA device). Tests simulate the ranks in one process:
-// on the CPU (tests/test_context_parallel.cc) and on one GPU (CudaContextParallel in tests/cuda/test_cuda.cc).
+// on the CPU (tests/test_context_parallel.cc) and on one GPU (CudaContextParallel in tests/cuda/test_cuda.cc); with
+// several GPUs, CudaContextParallel.NcclRanksOnSeparateGpus runs one thread per GPU over NCCL.
 //
 // The NCCL transport (run_context_parallel, CUDA builds): every rank runs into its own slot of one buffer holding
 // all ranks' packed states (RankStateLayout below: o, then lse, per rank), then one in-place

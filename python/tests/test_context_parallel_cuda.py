@@ -1,5 +1,6 @@
-"""Context parallelism over a real NCCL communicator of one rank (one GPU: 2 to 8 ranks need a multi-GPU machine
-and are not tested here): the context-parallel wrappers' run() (rank's run, in-place all-gather, merge), eagerly
+"""Context parallelism over a real NCCL communicator: of one rank, and of 2, 4 and 8 ranks, one process per GPU
+(test_ranks_on_separate_gpus; skipped when fewer GPUs are visible): the context-parallel wrappers' run() (rank's
+run, in-place all-gather, merge), eagerly
 and replayed from a torch CUDA graph, against the single-GPU wrapper and the float64 reference; an ncclComm_t
 passed as an int. Skipped without torch, a GPU, a CUDA build of attnforge or NCCL (libnccl.so.2 or
 ATTNFORGE_NCCL_LIBRARY; scripts/device-check points it at PyTorch's and sets NCCL_NVLS_ENABLE=0)."""

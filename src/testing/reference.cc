@@ -62,18 +62,20 @@ Reference compute(const Case& c, const std::vector<int64_t>& rows_wanted, bool r
   const Real sm_scale = o.sm_scale > 0 ? Real(o.sm_scale) : Real(1) / std::sqrt(Real(dqk));
   const Real kNegInf = -std::numeric_limits<Real>::infinity();
 
-  // Rows are independent: each thread writes its rows' outputs only.
+  // (row, head) pairs are independent: each task writes one pair's outputs only, so a single long row (decode of
+  // one request of 1M tokens) still spreads over every core.
   std::vector<std::pair<int32_t, int32_t>> rows;  // (request, query index) of every wanted row
   for (int32_t b = 0; b < c.batch; ++b)
     for (int32_t i = 0; i < s.qo_lens[b]; ++i)
       if (want[c.qo_indptr[b] + i]) rows.emplace_back(b, i);
-  parallel_for(static_cast<int64_t>(rows.size()), [&](int64_t n) {
-      const auto [b, i] = rows[static_cast<size_t>(n)];
+  parallel_for(static_cast<int64_t>(rows.size()) * Hq, [&](int64_t task) {
+      const auto [b, i] = rows[static_cast<size_t>(task / Hq)];
+      const int32_t h = static_cast<int32_t>(task % Hq);
       const int32_t qo_len = s.qo_lens[b], kv_len = s.kv_lens[b];
       const int64_t offset = o.rope && o.rope_offsets ? c.pos_offset[b] : 0;
       const int64_t row = c.qo_indptr[b] + i;
       const int64_t qpos = kv_len - qo_len + i;
-      for (int32_t h = 0; h < Hq; ++h) {
+      {
         const int32_t kh = h / group;
         std::vector<Real> q(dqk), k(dqk);
         for (int32_t d = 0; d < dqk; ++d) q[d] = c.q_vals[(row * Hq + h) * dqk + d];
@@ -111,7 +113,7 @@ Reference compute(const Case& c, const std::vector<int64_t>& rows_wanted, bool r
         if (m == kNegInf) {  // nothing to attend and no sink: the empty state
           for (int32_t d = 0; d < dvo; ++d) out[d] = 0;
           r.lse[row * Hq + h] = -std::numeric_limits<double>::infinity();
-          continue;
+          return;
         }
         Real den = o.sinks ? std::exp(Real(c.sinks[h]) - m) : Real(0);
         std::vector<Real> acc(dvo, 0);

@@ -1022,8 +1022,9 @@ TEST(CudaContextParallel, NcclRanksOnSeparateGpus) {
               run_context_parallel(plan, dev.q, kv, Outputs{dev.out, dev.lse}, dev.options, uploaded.w, layout, gathered,
                                    r, world, comm, stream);
             };
-            // The run's and the merge's kernels loaded on this GPU with no collective in flight: CUDA loads a
-            // module on first launch (lazy loading), which can wait on another rank's spinning all-gather.
+            // The run's and the merge's kernels launched once on this GPU before any collective: a launch that
+            // fails here (as every launch on a second GPU did while kernel attributes were set once per process)
+            // fails before the meeting, not inside an all-gather that the other ranks would wait on forever.
             run(plan, dev.q, kv, layout.rank_outputs(gathered, r, gpu), dev.options, uploaded.w, stream);
             merge_gathered_states(layout, gathered, world, Outputs{dev.out, dev.lse}, gpu, stream);
             if (cudaStreamSynchronize(stream) != cudaSuccess) throw std::runtime_error("warm-up");

@@ -11,6 +11,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstring>
@@ -344,7 +345,14 @@ CpResult bench_context_parallel(testing::Case& host, std::vector<std::unique_ptr
   std::vector<std::string> failures(world);
   std::vector<std::vector<uint8_t>> results(world);
   std::vector<double> rank_bytes(world), rank_us(world);
+  // The ranks meet before every collective: a rank that failed drops out of the barrier, and the others stop at
+  // the meeting instead of waiting for it in an all-gather.
   std::barrier sync(world);
+  std::atomic<bool> any_failed = false;
+  auto meet = [&] {
+    sync.arrive_and_wait();
+    if (any_failed) throw std::runtime_error("stopped: another rank failed");
+  };
   const size_t out_bytes = host.out.bytes(), lse_bytes = host.lse.bytes();
   auto rank_main = [&](int32_t r) {
     void* comm = nullptr;
@@ -391,17 +399,17 @@ CpResult bench_context_parallel(testing::Case& host, std::vector<std::unique_ptr
         else
           run_context_parallel(plan, dev.q, kv, outs, dev.options, w, layout, gathered, r, world, comm, stream);
       };
-      // The run's and the merge's kernels loaded on this GPU with no collective in flight: CUDA loads a module on
-      // first launch (lazy loading), which can wait on another rank's spinning all-gather.
+      // The run's and the merge's kernels launched once on this GPU before any collective: a launch that fails
+      // here fails before the meeting, not inside an all-gather that the other ranks would wait on forever.
       run(plan, dev.q, kv, world == 1 ? outs : layout.rank_outputs(gathered, r, gpu), dev.options, w, stream);
       if (world > 1) merge_gathered_states(layout, gathered, world, outs, gpu, stream);
       // Checked first: outputs poisoned (the host case's NaN buffers), one eager step, every rank's bytes kept.
       dev.upload_outputs(host);
       check(cudaStreamSynchronize(stream), "upload");
-      sync.arrive_and_wait();
+      meet();
       step();
       check(cudaStreamSynchronize(stream), "checked step");
-      sync.arrive_and_wait();  // no rank allocates or instantiates while another's all-gather waits for it
+      meet();  // no rank allocates or instantiates while another's all-gather waits for it
       // The whole out and lse buffers, guards included (device copies of the host case's buffers).
       auto whole = [&](const testing::Buffer& b) {
         return dev.to_device(TensorView(b.data(), b.dtype, {static_cast<int64_t>(b.count)})).data;
@@ -419,7 +427,7 @@ CpResult bench_context_parallel(testing::Case& host, std::vector<std::unique_ptr
       cudaEventCreate(&e0), cudaEventCreate(&e1);
       std::vector<double> us;
       for (int32_t i = 0; i < samples + 3; ++i) {
-        sync.arrive_and_wait();
+        meet();
         cudaEventRecord(e0, stream);
         for (int32_t k = 0; k < kCpReps; ++k) check(cudaGraphLaunch(exec, stream), "graph launch");
         cudaEventRecord(e1, stream);
@@ -429,9 +437,10 @@ CpResult bench_context_parallel(testing::Case& host, std::vector<std::unique_ptr
         if (i >= 3) us.push_back(ms * 1e3 / kCpReps);
       }
       rank_us[r] = median(us);
-      sync.arrive_and_wait();  // every rank's collectives are done before any frees (which synchronize implicitly)
+      meet();  // every rank's collectives are done before any frees (which synchronize implicitly)
     } catch (const std::exception& e) {
       failures[r] = e.what();
+      any_failed = true;
       sync.arrive_and_drop();
     }
     if (exec) cudaGraphExecDestroy(exec);
@@ -443,8 +452,10 @@ CpResult bench_context_parallel(testing::Case& host, std::vector<std::unique_ptr
   std::vector<std::thread> threads;
   for (int32_t r = 0; r < world; ++r) threads.emplace_back(rank_main, r);
   for (std::thread& t : threads) t.join();
+  std::string failed;
   for (int32_t r = 0; r < world; ++r)
-    if (!failures[r].empty()) throw std::runtime_error(fmt::format("world {} rank {}: {}", world, r, failures[r]));
+    if (!failures[r].empty()) failed += fmt::format("{}rank {}: {}", failed.empty() ? "" : "; ", r, failures[r]);
+  if (!failed.empty()) throw std::runtime_error(fmt::format("world {} {}: {}", world, to_string(partition), failed));
   for (int32_t r = 1; r < world; ++r)
     if (results[r] != results[0])
       throw std::runtime_error(fmt::format("world {} {}: rank {}'s merged result differs from rank 0's", world,
