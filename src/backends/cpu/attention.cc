@@ -315,11 +315,33 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
       const char* row = static_cast<const char*>(base) + element * elem_bytes;
       for (int32_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 1);
     };
+#if defined(__AVX512BF16__)
+    // Raw bf16 K (v11): the scores of every head are computed first, token-major (four tokens, then every head's
+    // rows against them), so K is read in address order through each page (a token's rows of all heads are
+    // adjacent in NHD), and the next block's K rows are requested four tokens at a time between the dot products
+    // instead of in bursts per head. docs/perf-notes.md, CPU batch decode v11.
+    const bool scores_first = raw_bf16 && !fp8_as_bf16;
+    if (scores_first)
+      for (int32_t t = 0; t < n4; t += 4)
+        for (int32_t kh = head0; kh < head1; ++kh) {
+          for (int32_t u = t; u < std::min(t + 4, n1); ++u)
+            prefetch_row(kv.k, k_next[u] + kh * kv.k_stride_head, eb, k_row_bytes);
+          const int32_t r_begin = (kh - head0) * per_head, r_end = r_begin + per_head;
+          int64_t k_rows[4];
+          for (int j = 0; j < 4; ++j) k_rows[j] = k_base[std::min(t + j, n - 1)] + kh * kv.k_stride_head;
+          for_row_groups(r_begin, r_end, [&]<int R>(int32_t r) {
+            score_rows_bf16<R>(reinterpret_cast<const uint16_t*>(q + r * dqk16), 2 * dqk16, k_src, k_rows, 4, dqk,
+                               s + r * kKVBlock + t, kKVBlock);
+          });
+        }
+#else
+    const bool scores_first = false;
+#endif
     for (int32_t kh = head0; kh < head1; ++kh) {
       const int32_t r_begin = (kh - head0) * per_head, r_end = r_begin + per_head;
       for (int32_t t = 0; t < n; ++t) prefetch_row(kv.v, v_base[t] + kh * kv.v_stride_head, eb, v_row_bytes);
       for (int32_t t = 0; t < n1; ++t) {
-        prefetch_row(kv.k, k_next[t] + kh * kv.k_stride_head, eb, k_row_bytes);
+        if (!scores_first) prefetch_row(kv.k, k_next[t] + kh * kv.k_stride_head, eb, k_row_bytes);
         prefetch_row(kv.v, v_next[t] + kh * kv.v_stride_head, eb, v_row_bytes);
       }
       int64_t k_rows[kKVBlock];
@@ -329,7 +351,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
                           kb16 + t * dqk);
         for (int32_t t = 0; t < n4; ++t) k_rows[t] = std::min(t, n - 1) * dqk;
       } else if (raw_bf16) {
-        for (int32_t t = 0; t < n4; ++t) k_rows[t] = k_base[std::min(t, n - 1)] + kh * kv.k_stride_head;
+        // scored above (scores_first)
       } else {
         for (int32_t t = 0; t < n; ++t) {
           load_kv_row(kv.k, kv.dtype, k_base[t] + kh * kv.k_stride_head, dqk, kb + t * dqk16);
@@ -339,7 +361,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
       }
       bool any = false;
 #if defined(__AVX512BF16__)
-      if (raw_bf16)  // every row of the head at once, each K load shared by the group (rows without keys included)
+      if (fp8_as_bf16)  // every row of the head at once, each K load shared by the group (rows without keys included)
         for_row_groups(r_begin, r_end, [&]<int R>(int32_t r) {
           score_rows_bf16<R>(reinterpret_cast<const uint16_t*>(q + r * dqk16), 2 * dqk16, k_src, k_rows, n4, dqk,
                              s + r * kKVBlock, kKVBlock);
