@@ -90,6 +90,26 @@ def rank_main(a):
         comm.destroy()
 
 
+def copy_ceiling_gbps(torch):
+    """Device-to-device copy of 2 GiB on cuda:0 (bytes read plus bytes written over the median of 10 copies after
+    3 warm-ups): the bandwidth ceiling each rank's read is held against, measured in the same run."""
+    n = 1 << 31
+    src = torch.ones(n, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty_like(src)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ms = []
+    for i in range(13):
+        e0.record()
+        dst.copy_(src)
+        e1.record()
+        e1.synchronize()
+        if i >= 3:
+            ms.append(e0.elapsed_time(e1))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / (statistics.median(ms) * 1e6)
+
+
 def run_world(a, world, partition):
     from attnforge import distributed
     uid = distributed.nccl_unique_id().hex() if world > 1 else "00"
@@ -137,6 +157,7 @@ def main():
     if not 1 <= gpus <= visible:
         raise SystemExit(f"--gpus {a.gpus}: {visible} GPU(s) visible")
     worlds = [w for w in (1, 2, 4, 8) if w <= gpus] + ([gpus] if gpus not in (1, 2, 4, 8) else [])
+    ceiling = copy_ceiling_gbps(torch)
     rows = []
     for world in worlds:
         for partition in (["contiguous"] if world == 1 else ["contiguous", "round_robin_pages"]):
@@ -149,14 +170,16 @@ def main():
     print(f"attnforge context-parallel decode, Python API, one process per GPU: {attnforge.build_info()}")
     print(f"devices: {gpus} x {name}; decode 1x{a.kv_len} (32 query heads over 8 KV heads, head_dim 128, bf16, "
           f"pages of {PAGE})")
-    print(f"{'GPUs':>5} {'partition':<19} {'median_us':>10} {'speedup':>8} {'TB/s per GPU':>13} {'sent/rank':>10} "
-          f"{'recv/rank':>10}")
+    print(f"ceiling device-to-device copy (cuda:0): {ceiling / 1e3:.2f} TB/s (read + write)")
+    print(f"{'GPUs':>5} {'partition':<19} {'median_us':>10} {'speedup':>8} {'TB/s per GPU':>13} {'% of copy':>10} "
+          f"{'sent/rank':>10} {'recv/rank':>10}")
     for r in rows:
-        r["speedup_vs_1"] = one / r["median_us"]
-        r["device"] = name
-        r["case"] = f"decode 1x{a.kv_len} on {r['world_size']} GPU(s), python"
+        gbps = r["kv_bytes"] / r["median_us"] / 1e3
+        r.update(speedup_vs_1=one / r["median_us"], device=name, gbps_per_gpu=gbps, ceiling=ceiling,
+                 pct_of_ceiling=gbps / ceiling * 100, suite="long", system="attnforge",
+                 case=f"decode 1x{a.kv_len} on {r['world_size']} GPU(s), python")
         print(f"{r['world_size']:>5} {r['partition']:<19} {r['median_us']:>10.1f} {r['speedup_vs_1']:>7.2f}x "
-              f"{r['kv_bytes'] / r['median_us'] / 1e6:>13.3f} {r['allgather_bytes_sent_per_rank']:>8} B "
+              f"{gbps / 1e3:>13.3f} {r['pct_of_ceiling']:>9.1f}% {r['allgather_bytes_sent_per_rank']:>8} B "
               f"{r['allgather_bytes_received_per_rank']:>8} B")
     if a.json:
         with open(a.json, "w") as f:
