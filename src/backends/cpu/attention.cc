@@ -112,6 +112,10 @@ inline void accumulate_pv(float* acc, const float* p, const float* v, int32_t n,
 // 16 fp8 codes to the bits of their fp32 values, as fp8x16_to_float (simd.h) computes them, with the bytes widened
 // by one vpmovzxbd (GCC turned the vector-extension widening into byte-by-byte inserts, and perf put fp8 decode's
 // time there).
+// GCC 12 warns that the intrinsics' own undefined pass-through operand "may be used uninitialized" (a known false
+// positive of its AVX-512 headers); the masks here are full, so no lane of it is ever read.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 template <bool kE4M3>
 inline __m512i fp8x16_to_fp32_bits(const uint8_t* p) {
   const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -140,6 +144,7 @@ inline void fp8x32_to_bf16(const uint8_t* src, uint16_t* dst) {
                                        25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
   _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(lo, odd, hi));
 }
+#pragma GCC diagnostic pop
 #endif
 
 // n fp8 codes (e4m3 or e5m2) to bf16, exactly: the fp32 value's top half (n a multiple of 16).
@@ -361,7 +366,8 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
     // rows against them), so K is read in address order through each page (a token's rows of all heads are
     // adjacent in NHD), and the next block's K rows are requested four tokens at a time between the dot products
     // instead of in bursts per head. docs/perf-notes.md, CPU batch decode v11.
-    const bool scores_first = raw_bf16 && !fp8_as_bf16;
+    // fp8 K takes the same order: each head's four rows are widened to bf16 in scratch just before their scores.
+    const bool scores_first = raw_bf16;
     if (scores_first)
       for (int32_t t = 0; t < n4; t += 4)
         for (int32_t kh = head0; kh < head1; ++kh) {
@@ -369,7 +375,15 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
             prefetch_row(kv.k, k_next[u] + kh * kv.k_stride_head, eb, k_row_bytes);
           const int32_t r_begin = (kh - head0) * per_head, r_end = r_begin + per_head;
           int64_t k_rows[4];
-          for (int j = 0; j < 4; ++j) k_rows[j] = k_base[std::min(t + j, n - 1)] + kh * kv.k_stride_head;
+          for (int j = 0; j < 4; ++j) {
+            const int64_t row = k_base[std::min(t + j, n - 1)] + kh * kv.k_stride_head;
+            if (fp8_as_bf16) {
+              fp8_row_to_bf16(static_cast<const uint8_t*>(kv.k) + row, kv.dtype, dqk, kb16 + j * dqk);
+              k_rows[j] = j * dqk;
+            } else {
+              k_rows[j] = row;
+            }
+          }
           for_row_groups(r_begin, r_end, [&]<int R>(int32_t r) {
             score_rows_bf16<R>(reinterpret_cast<const uint16_t*>(q + r * dqk16), 2 * dqk16, k_src, k_rows, 4, dqk,
                                s + r * kKVBlock + t, kKVBlock);
@@ -385,13 +399,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
         if (!scores_first) prefetch_row(kv.k, k_next[t] + kh * kv.k_stride_head, eb, k_row_bytes);
         prefetch_row(kv.v, v_next[t] + kh * kv.v_stride_head, eb, v_row_bytes);
       }
-      int64_t k_rows[kKVBlock];
-      if (fp8_as_bf16) {
-        for (int32_t t = 0; t < n; ++t)
-          fp8_row_to_bf16(static_cast<const uint8_t*>(kv.k) + k_base[t] + kh * kv.k_stride_head, kv.dtype, dqk,
-                          kb16 + t * dqk);
-        for (int32_t t = 0; t < n4; ++t) k_rows[t] = std::min(t, n - 1) * dqk;
-      } else if (raw_bf16) {
+      if (raw_bf16) {
         // scored above (scores_first)
       } else {
         for (int32_t t = 0; t < n; ++t) {
@@ -401,13 +409,6 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
         for (int32_t t = n; t < n4; ++t) std::fill(kb + t * dqk16, kb + t * dqk16 + dqk, 0.f);
       }
       bool any = false;
-#if defined(__AVX512BF16__)
-      if (fp8_as_bf16)  // every row of the head at once, each K load shared by the group (rows without keys included)
-        for_row_groups(r_begin, r_end, [&]<int R>(int32_t r) {
-          score_rows_bf16<R>(reinterpret_cast<const uint16_t*>(q + r * dqk16), 2 * dqk16, k_src, k_rows, n4, dqk,
-                             s + r * kKVBlock, kKVBlock);
-        });
-#endif
       for (int32_t r = r_begin; r < r_end; ++r) {
         float* sr = s + r * kKVBlock;
         const int32_t t_lo = std::max(lo[r] - j0, 0), t_hi = std::min(hi[r] - j0, n);
