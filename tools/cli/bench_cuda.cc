@@ -449,9 +449,13 @@ CpResult bench_context_parallel(testing::Case& host, std::vector<std::unique_ptr
     for (void* p : allocations) cudaFree(p);
     if (comm) nccl_comm_destroy(comm);
   };
+  fmt::print(stderr, "[long] {} GPU{} {}: communicator, plans, one step, then {} timed samples ...\n", world,
+             world == 1 ? "" : "s", to_string(partition), samples);
   std::vector<std::thread> threads;
   for (int32_t r = 0; r < world; ++r) threads.emplace_back(rank_main, r);
   for (std::thread& t : threads) t.join();
+  fmt::print(stderr, "[long] {} GPU{} {}: timed; checking the merged result against float64 ...\n", world,
+             world == 1 ? "" : "s", to_string(partition));
   std::string failed;
   for (int32_t r = 0; r < world; ++r)
     if (!failures[r].empty()) failed += fmt::format("{}rank {}: {}", failed.empty() ? "" : "; ", r, failures[r]);
