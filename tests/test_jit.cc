@@ -29,6 +29,7 @@
 #include "attnforge/error.h"
 #include "attnforge/jit.h"
 #include "backends/cuda/decode/decode.h"
+#include "backends/cuda/jit_kernels.h"
 #include "backends/cuda/prefill/prefill.h"
 #include "jit/embedded_headers.h"
 #include "jit/kernel_cache.h"
@@ -630,6 +631,34 @@ TEST(JitCacheChild, CompileSmallKey) {
 }
 
 // ---- launch configuration (host code shared by the nvcc and NVRTC builds; no GPU call) ----
+
+// ATTNFORGE_DECODE_STAGES picks the decode tile of the NVRTC kernels run() uses (tuning runs); bad values are
+// refused by name, and an unset or empty variable leaves the default.
+TEST(JitLaunch, DecodeStagesFromTheEnvironment) {
+  const cuda::JitKernels jit(0, 9, 0);
+  const AttentionShape bf16{32, 8, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16};
+  const AttentionShape e4m3{32, 8, 128, 128, DType::kBFloat16, DType::kFloat8E4M3, DType::kBFloat16};
+  unsetenv("ATTNFORGE_DECODE_STAGES");
+  EXPECT_EQ(jit.key_for(PlanKind::kDecode, bf16).name(), "decode_d128_bf16_st2_sm90a");
+  setenv("ATTNFORGE_DECODE_STAGES", "", 1);
+  EXPECT_EQ(jit.key_for(PlanKind::kDecode, e4m3).name(), "decode_d128_bf16_e4m3_st4_sm90a");
+  setenv("ATTNFORGE_DECODE_STAGES", "3", 1);
+  EXPECT_EQ(jit.key_for(PlanKind::kDecode, bf16).name(), "decode_d128_bf16_st3_sm90a");
+  EXPECT_EQ(jit.key_for(PlanKind::kPrefill, bf16).name(), "prefill_d128_bf16_sm90a");  // decode only
+  for (const auto& [value, words] : std::vector<std::pair<const char*, const char*>>{
+           {"4", "decode_tile.stages 4: the decode kernel takes {2, 3} ({2, 3, 4} with fp8 K/V)"},
+           {"three", "ATTNFORGE_DECODE_STAGES 'three': expected a stage count such as 2, 3 or 4"},
+           {"0", "ATTNFORGE_DECODE_STAGES '0'"}}) {
+    setenv("ATTNFORGE_DECODE_STAGES", value, 1);
+    try {
+      jit.key_for(PlanKind::kDecode, bf16);
+      ADD_FAILURE() << "ATTNFORGE_DECODE_STAGES=" << value << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  }
+  unsetenv("ATTNFORGE_DECODE_STAGES");
+}
 
 TEST(JitLaunch, OneConfigurationFromTheTraits) {
   // Shared memory: Q (16 rows) and `stages` K and V tiles of 64 tokens, 16-bit elements.

@@ -1,5 +1,6 @@
 #include "backends/cuda/jit_kernels.h"
 
+#include <cstdlib>
 #include <future>
 #include <vector>
 
@@ -7,6 +8,7 @@
 #include "backends/cuda/decode/decode.h"
 #include "backends/cuda/driver_api.h"
 #include "backends/cuda/prefill/prefill.h"
+#include "core/check.h"
 #include "jit/kernel_cache.h"
 
 namespace attnforge::cuda {
@@ -29,7 +31,15 @@ JitKernels::JitKernels(int device, int major, int minor)
     : device_(device), arch_(jit::arch_for_device(major, minor)) {}
 
 jit::KernelKey JitKernels::key_for(PlanKind kind, const AttentionShape& shape, bool rope) const {
-  return kind == PlanKind::kPrefill ? jit::prefill_key(shape, arch_, rope) : jit::decode_key(shape, arch_);
+  if (kind == PlanKind::kPrefill) return jit::prefill_key(shape, arch_, rope);
+  // ATTNFORGE_DECODE_STAGES: the decode tile's cp.async stages for tuning runs (README); the key validates it.
+  const char* stages = std::getenv("ATTNFORGE_DECODE_STAGES");
+  if (stages == nullptr || *stages == '\0') return jit::decode_key(shape, arch_);
+  char* end = nullptr;
+  const long n = std::strtol(stages, &end, 10);
+  if (*end != '\0' || n < 1 || n > 16)
+    detail::fail_arg("ATTNFORGE_DECODE_STAGES '{}': expected a stage count such as 2, 3 or 4", stages);
+  return jit::decode_key(shape, arch_, jit::DecodeTile{static_cast<int32_t>(n)});
 }
 
 const JitKernels::Kernels& JitKernels::kernels(const jit::KernelKey& key) {
