@@ -198,6 +198,8 @@ int run_bench(const BenchOptions& options) {
       throw std::runtime_error(
           fmt::format("--case {}: no case of suite {} has that in its name", options.case_filter, z.suite));
   }
+  if (options.workers > 0)
+    for (BenchCase& c : suite) c.spec.plan.num_workers = options.workers;
   const size_t steps = suite.size() + 2;
   std::ofstream json;
   if (!options.json_path.empty()) {

@@ -582,6 +582,8 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
       throw std::runtime_error(fmt::format("--case {}: no case of suite {} has that in its name", options.case_filter,
                                            options.suite));
   }
+  if (options.workers > 0)
+    for (GpuBenchCase& c : suite) c.spec.plan.num_workers = options.workers;
   const size_t steps = suite.size() + 2;
   fmt::print(stderr, "[1/{}] ceiling: device-to-device copy ...\n", steps);
   const CopyCeiling copy = copy_bandwidth();

@@ -21,6 +21,7 @@ struct BenchOptions {
   std::string suite = "all";  // GPU: all, decode or prefill
   std::string case_filter;     // only the cases whose name contains this (empty: all)
   int32_t gpus = 0;            // suite long: the most GPUs to split over (0: every visible one, at most 8)
+  int32_t workers = 0;         // PlanOptions::num_workers of every case (0: the device's); a tuning knob
 };
 
 struct WarmupCommandOptions {

@@ -34,6 +34,10 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--gpus", bench.gpus, "--suite long: the most GPUs to split over (default: every visible GPU, "
                                              "at most 8)")
       ->check(CLI::Range(1, 8));
+  bench_cmd->add_option("--workers", bench.workers,
+                        "Plan every case for this many parallel workers (PlanOptions::num_workers; default: the "
+                        "device's threads, or SMs x CTAs per SM): how finely long KV is split, for tuning runs")
+      ->check(CLI::Range(1, 1 << 20));
   bench_cmd->add_option("--iters", bench.iters, "Timed runs per case (default: 20, or 5 with --quick)")
       ->check(CLI::Range(1, 1000000));
 
