@@ -367,8 +367,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
     // adjacent in NHD), and the next block's K rows are requested four tokens at a time between the dot products
     // instead of in bursts per head. docs/perf-notes.md, CPU batch decode v11.
     // fp8 K takes the same order: each head's four rows are widened to bf16 in scratch just before their scores.
-    const bool scores_first = raw_bf16;
-    if (scores_first)
+    if (raw_bf16)
       for (int32_t t = 0; t < n4; t += 4)
         for (int32_t kh = head0; kh < head1; ++kh) {
           for (int32_t u = t; u < std::min(t + 4, n1); ++u)
@@ -389,19 +388,15 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
                                s + r * kKVBlock + t, kKVBlock);
           });
         }
-#else
-    const bool scores_first = false;
 #endif
     for (int32_t kh = head0; kh < head1; ++kh) {
       const int32_t r_begin = (kh - head0) * per_head, r_end = r_begin + per_head;
       for (int32_t t = 0; t < n; ++t) prefetch_row(kv.v, v_base[t] + kh * kv.v_stride_head, eb, v_row_bytes);
       for (int32_t t = 0; t < n1; ++t) {
-        if (!scores_first) prefetch_row(kv.k, k_next[t] + kh * kv.k_stride_head, eb, k_row_bytes);
+        if (!raw_bf16) prefetch_row(kv.k, k_next[t] + kh * kv.k_stride_head, eb, k_row_bytes);  // else above
         prefetch_row(kv.v, v_next[t] + kh * kv.v_stride_head, eb, v_row_bytes);
       }
-      if (raw_bf16) {
-        // scored above (scores_first)
-      } else {
+      if (!raw_bf16) {  // (raw bf16 K was scored above, token-major)
         for (int32_t t = 0; t < n; ++t) {
           load_kv_row(kv.k, kv.dtype, k_base[t] + kh * kv.k_stride_head, dqk, kb + t * dqk16);
           if (rope) rope_rotate(vp.rope, freqs, kb + t * dqk16, j0 + t + pos_offset);
