@@ -82,7 +82,9 @@ def main(rank, world, unique_id, seed):
 
 
 def graph_run(wrapper, q, kv, out, lse):
-    """The same run captured in a torch CUDA graph (NCCL's all-gather inside), replayed into poisoned outputs."""
+    """wrapper.run(q, kv) into out and lse, captured in a torch CUDA graph (NCCL's all-gather inside; warmed up on a
+    side stream first, as torch asks) and replayed into NaN-poisoned outputs. Also used by
+    test_context_parallel_cuda.py."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

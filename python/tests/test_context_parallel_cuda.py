@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 import attnforge  # noqa: E402
 from attnforge import distributed  # noqa: E402
+from context_parallel_worker import graph_run  # noqa: E402
 from reference import assert_close, attention, paged_cache  # noqa: E402
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (before NCCL reads its environment)
@@ -89,18 +90,7 @@ def test_one_rank_eager_and_cuda_graph(rng, communicator, kind):
     # outputs.
     out_g = torch.empty_like(out)
     lse_g = torch.empty_like(lse)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        wrapper.run(q, kv, out=out_g, lse=lse_g, return_lse=True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        wrapper.run(q, kv, out=out_g, lse=lse_g, return_lse=True)
-    out_g.fill_(float("nan"))
-    lse_g.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    graph_run(wrapper, q, kv, out_g, lse_g)
     assert_close(out_g.float().cpu().numpy(), expected.float().cpu().numpy(), "bfloat16")
     assert_close(lse_g.cpu().numpy(), expected_lse.cpu().numpy(), "float16", "lse")
 
