@@ -210,6 +210,12 @@ TEST(JitCompile, EveryBuiltinPrefillKernelForSm80AndSm90a) {
   for (int32_t d : {64, 128, 256})
     keys.push_back(prefill_key({32, 8, d, d, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16}, "sm_90a", false,
                                PrefillTile{2}));
+  // The short row tile (one m16 tile per warp), which run() picks for plans of short query tiles.
+  for (const char* arch : {"sm_80", "sm_90a"})
+    for (int32_t d : {64, 128})
+      for (bool rope : {false, true})
+        keys.push_back(prefill_key({32, 8, d, d, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16}, arch, rope,
+                                   PrefillTile{1, 64}));
   const std::vector<std::string> failures = compile_all(keys, /*no_spills=*/false);
   for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
 }
@@ -264,6 +270,13 @@ TEST(JitKey, NamesAndRejectedFields) {
   EXPECT_EQ(prefill_key(bf16, "sm_90a", false).name(), "prefill_d128_bf16_sm90a");
   EXPECT_EQ(prefill_key(fp16, "sm_80", false).name(), "prefill_d64_fp16_sm80");
   EXPECT_EQ(prefill_key(bf16, "sm_90a", false, PrefillTile{2}).name(), "prefill_d128_bf16_stage64_sm90a");
+  EXPECT_EQ(prefill_key(bf16, "sm_90a", true, PrefillTile{1, 64}).name(), "prefill_d128_bf16_rope_rows64_sm90a");
+  EXPECT_EQ(prefill_key(bf16, "sm_90a", false, PrefillTile{2, 64}).name(), "prefill_d128_bf16_stage64_rows64_sm90a");
+  // A tile's rows equal to the head dim's own are the default key.
+  EXPECT_EQ(prefill_key(bf16, "sm_90a", false, PrefillTile{1, 128}), prefill_key(bf16, "sm_90a", false));
+  EXPECT_NE(prefill_key(bf16, "sm_80", false, PrefillTile{1, 64}).render().source.find(
+                "PrefillTraits<128, attnforge::cuda::Bf16, false, 32, 64>"),
+            std::string::npos);
   // Each change of a valid key, and the words of the error it must raise.
   struct Bad {
     std::function<void(KernelKey&)> change;
@@ -295,7 +308,7 @@ TEST(JitKey, NamesAndRejectedFields) {
       {[](KernelKey& b) { b.rope = true; },
        "rope true: the decode kernel reads RoPE from params at run time; a decode key takes {false}"},
       {[](KernelKey& b) { b.prefill_tile.stage_steps = 2; },
-       "prefill_tile.stage_steps 2: a decode key takes the default {1}"},
+       "prefill_tile {stage_steps 2, rows 0}: a decode key takes the default {1, 0}"},
       {[](KernelKey& b) { b.family = static_cast<KernelFamily>(7); },
        "kernel family 7: the run-time compiler builds {decode, prefill}"},
   });
@@ -314,6 +327,12 @@ TEST(JitKey, NamesAndRejectedFields) {
        "built for CUDA prefill yet)"},
       {[](KernelKey& b) { b.prefill_tile.stage_steps = 3; },
        "prefill_tile.stage_steps 3: the prefill kernel takes {1, 2}"},
+      {[](KernelKey& b) { b.prefill_tile.rows = 32; },
+       "prefill_tile.rows 32: the prefill kernel at head_dim 128 takes {0 (its 128 rows), 64}"},
+      {[](KernelKey& b) { b.prefill_tile.rows = 128; },
+       "prefill_tile.rows 128: the prefill kernel at head_dim 128 takes {0 (its 128 rows), 64}"},
+      {[](KernelKey& b) { b.head_dim_qk = b.head_dim_vo = 256, b.prefill_tile.rows = 64; },
+       "prefill_tile.rows 64: the prefill kernel at head_dim 256 takes {0 (its 64 rows)}"},
       {[](KernelKey& b) { b.decode_tile.stages = 3; }, "decode_tile.stages 3: a prefill key takes the default {2}"},
       {[](KernelKey& b) { b.arch = "hopper"; }, "arch 'hopper'"},
   });
@@ -337,7 +356,10 @@ TEST(JitKey, NamesAndSourcesAreUniqueAcrossFamilies) {
         for (DType kv : {DType::kFloat8E4M3, DType::kFloat8E5M2})
           for (int32_t stages : {2, 3, 4}) keys.push_back(decode_key({32, 8, d, d, t, kv, t}, arch, DecodeTile{stages}));
         for (bool rope : {false, true})
-          for (int32_t steps : {1, 2}) keys.push_back(prefill_key(shape, arch, rope, PrefillTile{steps}));
+          for (int32_t steps : {1, 2}) {
+            keys.push_back(prefill_key(shape, arch, rope, PrefillTile{steps}));
+            if (d < 256) keys.push_back(prefill_key(shape, arch, rope, PrefillTile{steps, 64}));
+          }
       }
   std::map<std::string, std::string> source_by_name;
   std::set<std::string> sources;
@@ -348,11 +370,13 @@ TEST(JitKey, NamesAndSourcesAreUniqueAcrossFamilies) {
     EXPECT_TRUE(sources.insert(src.arch + " " + src.entry_points[0]).second)
         << "two keys build the kernel of " << src.name;
   }
-  EXPECT_EQ(source_by_name.size(), 3u * 3 * 2 * (2 + 2 * 3 + 4));
+  // Per arch, head dim and dtype: 2 decode, 6 fp8 decode, 4 prefill; and 4 short-tile prefill below head_dim 256.
+  EXPECT_EQ(source_by_name.size(), 3u * 3 * 2 * (2 + 2 * 3 + 4) + 3u * 2 * 2 * 4);
 }
 
 // The prefill translation unit: the kernel header and the merge kernel, and the nvcc build's instantiation
-// (PrefillTraits' default stage is one softmax step, so the nvcc build's PrefillTraits<128, Bf16, true> is this type).
+// (PrefillTraits' default stage is one softmax step and its default rows the head dim's, so the nvcc build's
+// PrefillTraits<128, Bf16, true> is this type).
 TEST(JitKey, PrefillSourceInstantiatesTheTraitsOfTheKey) {
   const AttentionShape bf16{32, 8, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16};
   const KernelSource src = prefill_key(bf16, "sm_90a", true).render();
@@ -360,18 +384,20 @@ TEST(JitKey, PrefillSourceInstantiatesTheTraitsOfTheKey) {
   EXPECT_EQ(src.arch, "sm_90a");
   ASSERT_EQ(src.entry_points.size(), 2u);
   EXPECT_EQ(src.entry_points[kAttentionEntry],
-            "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<128, attnforge::cuda::Bf16, true, 32>>");
+            "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<128, attnforge::cuda::Bf16, true, 32, 128>>");
   EXPECT_EQ(src.entry_points[kMergeEntry], "&attnforge::cuda::merge_kernel");
   EXPECT_NE(src.source.find("#include \"backends/cuda/prefill/prefill_kernel.cuh\""), std::string::npos) << src.source;
   EXPECT_NE(src.source.find("#include \"backends/cuda/merge/merge_kernel.cuh\""), std::string::npos) << src.source;
   EXPECT_NE(src.source.find("template __global__ void attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<"
-                            "128, attnforge::cuda::Bf16, true, 32>>(const attnforge::AttentionParams);"),
+                            "128, attnforge::cuda::Bf16, true, 32, 128>>(const attnforge::AttentionParams);"),
             std::string::npos)
       << src.source;
   EXPECT_EQ(src.warmup_command, "attnforge warmup --arch sm_90a --head-dim 128 --dtype bf16 --kv-dtype same");
   const AttentionShape fp16{16, 8, 64, 64, DType::kFloat16, DType::kFloat16, DType::kFloat16};
   EXPECT_EQ(prefill_key(fp16, "sm_80", false, PrefillTile{2}).render().entry_points[kAttentionEntry],
-            "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<64, attnforge::cuda::F16, false, 128>>");
+            "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<64, attnforge::cuda::F16, false, 128, 128>>");
+  EXPECT_EQ(prefill_key(fp16, "sm_80", false, PrefillTile{1, 64}).render().entry_points[kAttentionEntry],
+            "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<64, attnforge::cuda::F16, false, 64, 64>>");
 }
 
 // The cache key follows the content: the source, any embedded header's text, the options, the architecture and
@@ -703,48 +729,57 @@ TEST(JitLaunch, OneConfigurationFromTheTraits) {
 }
 
 // The prefill kernel: 4 warps; Q rows, then the K and V stages (3 stages of one softmax step up to head_dim 128, 2
-// at 256 or with two steps a stage), 16-bit elements; 128 rows a CTA up to head_dim 128, 64 at 256.
+// at 256 or with two steps a stage), 16-bit elements; 128 rows a CTA up to head_dim 128, 64 at 256, and the short
+// tile of 64 rows at every head dim.
 TEST(JitLaunch, PrefillConfigurationFromTheTraits) {
   struct Expected {
     int d, step, rows, stages;
   };
   for (const Expected e : {Expected{64, 64, 128, 3}, Expected{128, 32, 128, 3}, Expected{256, 32, 64, 2}})
-    for (int steps : {1, 2}) {
-      const int stage_tokens = steps * e.step;
-      const int stages = steps == 1 ? e.stages : 2;
-      const cuda::KernelAttributes a = cuda::prefill_attributes(e.d, stage_tokens);
-      EXPECT_EQ(a.threads, 128);
-      EXPECT_EQ(a.max_dynamic_smem, 2 * (e.rows * e.d + 2 * stages * stage_tokens * e.d))
-          << "head_dim " << e.d << ", stage tokens " << stage_tokens;
-      EXPECT_EQ(a.carveout_percent, 100);
-      EXPECT_EQ(cuda::prefill_rows(e.d), e.rows);
-      EXPECT_EQ(cuda::prefill_tile_tokens(e.d), e.step);
-    }
+    for (int rows : {e.rows, cuda::kPrefillShortRows})
+      for (int steps : {1, 2}) {
+        const int stage_tokens = steps * e.step;
+        const int stages = steps == 1 ? e.stages : 2;
+        const cuda::KernelAttributes a = cuda::prefill_attributes(e.d, stage_tokens, rows);
+        EXPECT_EQ(a.threads, 128);
+        EXPECT_EQ(a.max_dynamic_smem, 2 * (rows * e.d + 2 * stages * stage_tokens * e.d))
+            << "head_dim " << e.d << ", stage tokens " << stage_tokens << ", rows " << rows;
+        EXPECT_EQ(a.carveout_percent, 100);
+        EXPECT_EQ(cuda::prefill_rows(e.d), e.rows);
+        EXPECT_EQ(cuda::prefill_tile_tokens(e.d), e.step);
+      }
+  EXPECT_EQ(cuda::kPrefillShortRows, 64);
   // The grid's x and y come from attention_launch_config (checked through decode above); prefill brings its rows
   // per CTA and its shared memory, and launches the merge kernel over the plan's merge capacity.
   AttentionParams p{};
   p.num_qo_heads = 32, p.num_kv_heads = 8;  // groups of 4 query heads
   p.item_capacity = 300, p.merge_capacity = 12;
+  // Row blocks cover the longest query tile any re-plan of the shape can have (the head dim's tile), so a graph
+  // captured with short tiles replays long ones; the short tile is run()'s pick when the plan's tiles fit it.
   struct Blocks {
-    int d, qo_tile;
+    int d, qo_tile, rows;  // rows: what prefill_plan_rows picks
     unsigned row_blocks;
   };
-  for (const Blocks b : {Blocks{64, 32, 1}, Blocks{128, 64, 2}, Blocks{128, 65, 3}, Blocks{256, 17, 2}}) {
+  for (const Blocks b : {Blocks{64, 32, 128, 1}, Blocks{128, 64, 128, 2}, Blocks{128, 65, 128, 3},
+                         Blocks{256, 17, 64, 2}, Blocks{128, 16, 64, 2}, Blocks{128, 3, 64, 2}, Blocks{256, 3, 64, 1},
+                         Blocks{64, 17, 128, 1}}) {
     p.head_dim_qk = p.head_dim_vo = b.d, p.qo_tile = b.qo_tile;
-    const cuda::LaunchConfig c = cuda::prefill_launch_config(p, cuda::prefill_tile_tokens(b.d));
+    EXPECT_EQ(cuda::prefill_plan_rows(p), b.rows) << "head_dim " << b.d << ", qo_tile " << b.qo_tile;
+    const cuda::LaunchConfig c = cuda::prefill_launch_config(p, cuda::prefill_tile_tokens(b.d), b.rows);
     EXPECT_EQ(c.attention.grid.x, 300u);
     EXPECT_EQ(c.attention.grid.y, 8u);
     EXPECT_EQ(c.attention.grid.z, b.row_blocks) << "head_dim " << b.d << ", qo_tile " << b.qo_tile;
     EXPECT_EQ(c.attention.block.x, 128u);
-    EXPECT_EQ(c.attention.smem_bytes,
-              static_cast<unsigned>(cuda::prefill_attributes(b.d, cuda::prefill_tile_tokens(b.d)).max_dynamic_smem));
+    EXPECT_EQ(c.attention.smem_bytes, static_cast<unsigned>(
+                                          cuda::prefill_attributes(b.d, cuda::prefill_tile_tokens(b.d), b.rows)
+                                              .max_dynamic_smem));
     EXPECT_TRUE(c.run_merge);
     EXPECT_EQ(c.merge.grid.x, 12u);
     EXPECT_EQ(c.merge.grid.y, 32u);
     EXPECT_EQ(c.merge.smem_bytes, 0u);
   }
   p.merge_capacity = 0;
-  EXPECT_FALSE(cuda::prefill_launch_config(p, 32).run_merge);
+  EXPECT_FALSE(cuda::prefill_launch_config(p, 32, 128).run_merge);
 }
 
 // ---- warm-up ----
@@ -765,7 +800,7 @@ TEST(JitWarmup, DefaultSetHoldsDecodeAndPrefillKernels) {
       expected.insert(fmt::format("prefill_d{}_{}_sm90a", d, t));
       expected.insert(fmt::format("prefill_d{}_{}_rope_sm90a", d, t));
     }
-  EXPECT_EQ(names, expected);
+  EXPECT_EQ(names, expected);  // the configurations; warmup() adds each prefill one's short-tile key (below)
 }
 
 // Configurations that differ only in run-time values share kernels (page size, head counts; RoPE for decode);
@@ -806,25 +841,27 @@ TEST(JitWarmup, DedupesConfigurationsAndReportsWhatItSkips) {
   options.threads = 2;
   const WarmupReport first = warmup(configs, options);
   ASSERT_TRUE(first.ok());
-  ASSERT_EQ(first.kernels.size(), 4u);  // prefill bf16; decode bf16, fp16, and bf16 with e4m3 K/V
+  // prefill bf16 in both row tiles; decode bf16, fp16, and bf16 with e4m3 K/V
+  ASSERT_EQ(first.kernels.size(), 5u);
   EXPECT_EQ(first.kernels[0].name, "prefill_d64_bf16_sm80");
-  EXPECT_EQ(first.kernels[1].name, "decode_d64_bf16_st2_sm80");
-  EXPECT_EQ(first.kernels[2].name, "decode_d64_fp16_st2_sm80");
-  EXPECT_EQ(first.kernels[3].name, "decode_d64_bf16_e4m3_st4_sm80");
+  EXPECT_EQ(first.kernels[1].name, "prefill_d64_bf16_rows64_sm80");
+  EXPECT_EQ(first.kernels[2].name, "decode_d64_bf16_st2_sm80");
+  EXPECT_EQ(first.kernels[3].name, "decode_d64_fp16_st2_sm80");
+  EXPECT_EQ(first.kernels[4].name, "decode_d64_bf16_e4m3_st4_sm80");
   for (const WarmupReport::Kernel& k : first.kernels) EXPECT_EQ(k.origin, "compiled") << k.name;
   ASSERT_EQ(first.skipped.size(), 1u);
   EXPECT_NE(first.skipped[0].find("fp8 K/V is not built for CUDA prefill"), std::string::npos) << first.skipped[0];
-  EXPECT_EQ(files_in(tmp.path).size(), 4u);
+  EXPECT_EQ(files_in(tmp.path).size(), 5u);
   const WarmupReport second = warmup(configs, options);
   for (const WarmupReport::Kernel& k : second.kernels) EXPECT_EQ(k.origin, "memory") << k.name;
   set_log_sink(nullptr);
   set_cache_dir("");
-  // One line before and one after each of the four compiles (and NVRTC's warnings, such as ptxas's spill report
+  // One line before and one after each of the five compiles (and NVRTC's warnings, such as ptxas's spill report
   // for the prefill kernel, on lines of their own).
   int compile_lines = 0;
   for (const std::string& l : lines)
     compile_lines += l.find("attnforge jit: compiling ") == 0 || l.find("attnforge jit: compiled ") == 0;
-  EXPECT_EQ(compile_lines, 8) << fmt::format("{}", fmt::join(lines, "\n"));
+  EXPECT_EQ(compile_lines, 10) << fmt::format("{}", fmt::join(lines, "\n"));
 }
 
 TEST(JitSettings, ModesParseAndBadValuesAreNamed) {

@@ -24,8 +24,10 @@ class Backend {
   // Parallel units a split aims at per worker: 2 (CPU threads take uneven tasks from a queue), or 1 for a
   // device whose under-filled batches should become exactly one wave of work (a GPU's resident CTAs).
   virtual int32_t split_waves() const { return 2; }
-  // Rows (query tokens x heads of a group) a prefill item should hold.
-  virtual int32_t target_tile_rows(const AttentionShape& shape) const = 0;
+  // Rows (query tokens x heads of a group) a prefill item should hold, for a batch whose requests pack
+  // `avg_packed_rows` rows on average (query tokens x group): a device with a short tile takes it for batches of
+  // short queries (speculative verification, chunked prefill among decodes).
+  virtual int32_t target_tile_rows(const AttentionShape& shape, double avg_packed_rows) const = 0;
   // Whether kernels read the plan from the workspace (device memory) rather than from the plan object.
   virtual bool plan_in_device_memory() const { return false; }
   // Copies host bytes to device memory, asynchronously on `stream` (device backends only).

@@ -39,7 +39,8 @@ std::string KernelKey::name() const {
   const std::string variant_part = variant == "builtin" ? "" : "_" + variant + "_" + variant_hash.hex().substr(0, 8);
   if (family == KernelFamily::kPrefill) {
     const std::string tile_part =
-        prefill_tile == PrefillTile{} ? "" : fmt::format("_stage{}", prefill_stage_tokens());
+        (prefill_tile.stage_steps == PrefillTile{}.stage_steps ? "" : fmt::format("_stage{}", prefill_stage_tokens())) +
+        (prefill_tile.rows == 0 ? "" : fmt::format("_rows{}", prefill_tile.rows));
     return fmt::format("prefill{}_d{}_{}{}{}_{}", variant_part, head_dim_qk, short_name(q_dtype), rope ? "_rope" : "",
                        tile_part, arch_short);
   }
@@ -93,12 +94,20 @@ void KernelKey::validate() const {
       detail::fail(ErrorKind::kUnsupported,
                    "rope true: the decode kernel reads RoPE from params at run time; a decode key takes {{false}}");
     if (prefill_tile != PrefillTile{})
-      detail::fail(ErrorKind::kUnsupported, "prefill_tile.stage_steps {}: a decode key takes the default {{{}}}",
-                   prefill_tile.stage_steps, PrefillTile{}.stage_steps);
+      detail::fail(ErrorKind::kUnsupported, "prefill_tile {{stage_steps {}, rows {}}}: a decode key takes the default "
+                   "{{{}, {}}}", prefill_tile.stage_steps, prefill_tile.rows, PrefillTile{}.stage_steps,
+                   PrefillTile{}.rows);
   } else {
     if (prefill_tile.stage_steps != 1 && prefill_tile.stage_steps != 2)
       detail::fail(ErrorKind::kUnsupported, "prefill_tile.stage_steps {}: the prefill kernel takes {{1, 2}}",
                    prefill_tile.stage_steps);
+    if (prefill_tile.rows != 0 &&
+        (prefill_tile.rows != cuda::kPrefillShortRows || cuda::prefill_rows(head_dim_qk) == cuda::kPrefillShortRows))
+      detail::fail(ErrorKind::kUnsupported, "prefill_tile.rows {}: the prefill kernel at head_dim {} takes {{0 (its "
+                   "{} rows){}}}", prefill_tile.rows, head_dim_qk, cuda::prefill_rows(head_dim_qk),
+                   cuda::prefill_rows(head_dim_qk) == cuda::kPrefillShortRows
+                       ? std::string()
+                       : fmt::format(", {}", cuda::kPrefillShortRows));
     if (decode_tile != DecodeTile{})
       detail::fail(ErrorKind::kUnsupported, "decode_tile.stages {}: a prefill key takes the default {{{}}}",
                    decode_tile.stages, DecodeTile{}.stages);
@@ -118,8 +127,8 @@ KernelSource KernelKey::render() const {
     s.warmup_command = "a run_variant() call with the cache mode on (custom variants are not in attnforge warmup)";
   const bool prefill = family == KernelFamily::kPrefill;
   const std::string traits =
-      prefill ? fmt::format("attnforge::cuda::PrefillTraits<{}, {}, {}, {}>", head_dim_qk, elem_type(q_dtype), rope,
-                            prefill_stage_tokens())
+      prefill ? fmt::format("attnforge::cuda::PrefillTraits<{}, {}, {}, {}, {}>", head_dim_qk, elem_type(q_dtype),
+                            rope, prefill_stage_tokens(), prefill_rows())
               : fmt::format("attnforge::cuda::DecodeTraits<{}, {}, {}, {}>", head_dim_qk, elem_type(q_dtype),
                             decode_tile.stages, elem_type(kv_dtype));
   const bool custom = variant != "builtin";
@@ -128,7 +137,8 @@ KernelSource KernelKey::render() const {
              : fmt::format("attnforge::cuda::{}_kernel<{}>", to_string(family), traits);
   s.entry_points = {"&" + kernel, "&attnforge::cuda::merge_kernel"};
   const std::string tile = prefill
-                               ? fmt::format("rope {}, stage tokens {}", rope ? "on" : "off", prefill_stage_tokens())
+                               ? fmt::format("rope {}, stage tokens {}, rows {}", rope ? "on" : "off",
+                                             prefill_stage_tokens(), prefill_rows())
                                : fmt::format("stages {}", decode_tile.stages);
   s.source = fmt::format(
       "// attnforge run-time kernel {}: family {}, variant {}, q {}, kv {}, head_dim {}/{}, {}, {}\n"
@@ -150,6 +160,10 @@ void KernelKey::set_variant(const std::string& name, const std::string& source) 
 
 int32_t KernelKey::prefill_stage_tokens() const {
   return prefill_tile.stage_steps * cuda::prefill_tile_tokens(head_dim_qk);
+}
+
+int32_t KernelKey::prefill_rows() const {
+  return prefill_tile.rows > 0 ? prefill_tile.rows : cuda::prefill_rows(head_dim_qk);
 }
 
 std::string KernelKey::warmup_command() const {
@@ -187,6 +201,7 @@ KernelKey prefill_key(const AttentionShape& shape, const std::string& arch, bool
   KernelKey k = key_of(KernelFamily::kPrefill, shape, arch);
   k.rope = rope;
   k.prefill_tile = tile;
+  if (k.prefill_tile.rows == cuda::prefill_rows(k.head_dim_qk)) k.prefill_tile.rows = 0;  // the default, one key
   k.validate();
   return k;
 }

@@ -35,6 +35,9 @@ inline DecodeTile default_decode_tile(DType kv_dtype) { return {cuda::default_de
 // (3 stages of one step up to head_dim 128, else 2).
 struct PrefillTile {
   int32_t stage_steps = 1;  // 1 (what the nvcc build instantiates) or 2
+  // Packed query rows per CTA: 0 for the head dim's (prefill_rows: 128 up to head_dim 128, 64 at 256), or
+  // cuda::kPrefillShortRows (64) below head_dim 256: the tile run() picks for plans of short query tiles.
+  int32_t rows = 0;
   bool operator==(const PrefillTile&) const = default;
 };
 
@@ -72,6 +75,8 @@ struct KernelKey {
   KernelSource render() const;
   // K/V tokens per cp.async stage of a prefill key: PrefillTraits' kStageTokens (stage_steps softmax steps).
   int32_t prefill_stage_tokens() const;
+  // Packed query rows per CTA of a prefill key: PrefillTraits' kRows.
+  int32_t prefill_rows() const;
   // The `attnforge warmup` command that compiles this key (its default set holds every key run() uses).
   std::string warmup_command() const;
 };
@@ -85,7 +90,7 @@ constexpr int kMergeEntry = 1;
 KernelKey decode_key(const AttentionShape& shape, const std::string& arch);
 KernelKey decode_key(const AttentionShape& shape, const std::string& arch, DecodeTile tile);
 // The prefill key for an attention shape on `arch`, with or without RoPE fused; throws kUnsupported when no prefill
-// kernel serves it.
+// kernel serves it. A tile's rows equal to the head dim's default are stored as 0, so one kernel has one key.
 KernelKey prefill_key(const AttentionShape& shape, const std::string& arch, bool rope, PrefillTile tile = {});
 
 }  // namespace attnforge::jit

@@ -11,6 +11,7 @@
 #include "core/check.h"
 #if ATTNFORGE_WITH_CUDA
 #include "backends/cuda/device_info.h"
+#include "backends/cuda/prefill/tile_config.cuh"
 #include "jit/kernel_key.h"
 #include "jit/warmup.h"
 #endif
@@ -92,9 +93,17 @@ WarmupReport warmup_with(KernelCache& cache, const CacheSettings& settings, cons
                                          c.page_size);
     for (const std::string& arch : archs) {
       try {
-        const KernelKey k =
-            c.kind == PlanKind::kDecode ? decode_key(c.shape, arch) : prefill_key(c.shape, arch, c.rope);
-        if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+        std::vector<KernelKey> ks;
+        if (c.kind == PlanKind::kDecode) {
+          ks.push_back(decode_key(c.shape, arch));
+        } else {
+          // Both row tiles: run() picks one per plan (prefill_plan_rows), and neither may compile at run time.
+          ks.push_back(prefill_key(c.shape, arch, c.rope));
+          if (cuda::prefill_rows(c.shape.head_dim_qk) != cuda::kPrefillShortRows)
+            ks.push_back(prefill_key(c.shape, arch, c.rope, PrefillTile{1, cuda::kPrefillShortRows}));
+        }
+        for (const KernelKey& k : ks)
+          if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
       } catch (const Error& e) {
         report.skipped.push_back(what + ": " + e.what());
         break;

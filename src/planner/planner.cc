@@ -124,9 +124,17 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
   plan.causal = a.options.causal;
 
   const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
-  plan.qo_tile = kind == PlanKind::kDecode
-                     ? std::max(1, max_qo)
-                     : planner::choose_qo_tile(group, std::max(1, max_qo), backend.target_tile_rows(shape));
+  const double avg_packed_rows = batch > 0 ? static_cast<double>(plan.total_qo) * group / batch : 0.0;
+  plan.qo_tile = kind == PlanKind::kDecode ? std::max(1, max_qo)
+                                           : planner::choose_qo_tile(group, std::max(1, max_qo),
+                                                                     backend.target_tile_rows(shape, avg_packed_rows));
+  // The query tile of a batch of long queries with these lengths: partial states are sized for it, so a plan cut
+  // in short tiles does not shrink the workspace below what the same batch size needed before.
+  const double longest_rows = static_cast<double>(max_qo) * group;
+  const int32_t long_qo_tile =
+      kind == PlanKind::kDecode
+          ? plan.qo_tile
+          : planner::choose_qo_tile(group, std::max(1, max_qo), backend.target_tile_rows(shape, longest_rows));
 
   // Query tiles and the KV each one reads (causal: up to the last row's diagonal).
   struct Tile {
@@ -207,7 +215,8 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
       bound = std::max<int64_t>(bound, static_cast<int64_t>(tiles.size()) + planner::split_target_items(in));
     plan.item_capacity = static_cast<int32_t>(bound);
     plan.merge_capacity = static_cast<int32_t>(tiles.size());
-    plan.partial_row_capacity = std::max<int64_t>(plan.partial_rows, static_cast<int64_t>(bound) * plan.qo_tile);
+    plan.partial_row_capacity =
+        std::max<int64_t>(plan.partial_rows, static_cast<int64_t>(bound) * std::max(plan.qo_tile, long_qo_tile));
     plan.metadata_bytes = detail::plan_metadata_bytes(plan.batch_size, plan.item_capacity, plan.merge_capacity);
   } else {
     plan.item_capacity = num_items;

@@ -279,6 +279,33 @@ TEST(CudaPrefillSmall, SplitCausalPaged) {
   EXPECT_TRUE(error.empty()) << error;
 }
 
+// Batches of short queries (speculative verification: a few tokens per request onto long caches) plan query tiles
+// of at most 64 packed rows, so run() launches the short-tile prefill kernel (one m16 tile per warp): every head
+// dim, groups of 4 and 7, page sizes 1 and 16, causal and not, with RoPE and sinks, split KV included. Each plan is
+// checked to have picked the short tile, and the result against the float64 reference.
+TEST(CudaPrefillShortTiles, SpeculativeVerificationBatches) {
+  for (int32_t d : {64, 128, 256})
+    for (int32_t group : {4, 7})
+      for (int32_t page : {1, 16})
+        for (bool causal : {false, true}) {
+          CaseSpec s;
+          s.kind = PlanKind::kPrefill;
+          s.num_kv_heads = 2, s.num_qo_heads = 2 * group, s.head_dim_qk = d, s.page_size = page;
+          s.qo_lens = {4, 8, 1, 9, 5, 2};
+          s.kv_lens = {300, 2049, 17, 4100, 9, 700};
+          s.options.causal = causal;
+          s.options.rope = causal && d == 128;
+          s.options.sinks = !causal;
+          s.seed = 900 + d + 10 * group + page + causal;
+          Case c = make_case(s);
+          DeviceCase dev(c);
+          const AttentionPlan plan = plan_and_run_cuda(c, dev);
+          EXPECT_LE(plan.qo_tile * group, 64) << "the plan did not pick the short tile: " << plan.describe();
+          const Verdict v = check_case(c, {});
+          EXPECT_TRUE(v.ok) << v.message << "\n  case: " << s.describe() << "\n  plan: " << plan.describe();
+        }
+}
+
 // Random batches restricted to what the CUDA backend runs; a failure prints the reproducing command.
 TEST(CudaFuzz, RandomBatches) {
   const uint64_t first = std::getenv("ATTNFORGE_FUZZ_SEED") ? std::strtoull(std::getenv("ATTNFORGE_FUZZ_SEED"), nullptr, 10) : 1;

@@ -127,6 +127,9 @@ std::vector<GpuBenchCase> gpu_prefill_suite(bool quick) {
   v.push_back({"prefill 2x8192 causal d256", gpu_prefill(square(2, 8192), square(2, 8192), true, 256)});
   v.push_back({"append 64x512+4096", gpu_prefill(square(64, 512), square(64, 4608), true)});
   v.push_back({"append 64x512+4096 page1", gpu_prefill(square(64, 512), square(64, 4608), true, 128, 1)});
+  // Speculative verification: 8 draft tokens onto each of 64 caches of 4K (32 packed rows a request: the short
+  // 64-row tile).
+  v.push_back({"verify 64x8+4096", gpu_prefill(square(64, 8), square(64, 4104), true)});
   // Ragged: 16 requests of lengths uniform in [512, 4096], against one request of the same total length.
   std::vector<int32_t> lens(16);
   for (int32_t i = 0; i < 16; ++i) lens[i] = 512 + (3584 * ((i * 7) % 16)) / 15;  // a fixed shuffle of the grid

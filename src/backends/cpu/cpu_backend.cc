@@ -23,7 +23,7 @@ class CpuBackend final : public Backend {
     return {};
   }
   int32_t num_workers(const AttentionShape&, PlanKind) const override { return cpu::ThreadPool::instance().size(); }
-  int32_t target_tile_rows(const AttentionShape&) const override { return planner::kCpuTargetRows; }
+  int32_t target_tile_rows(const AttentionShape&, double) const override { return planner::kCpuTargetRows; }
   void attention(const AttentionParams& p, PlanKind, Stream) override { cpu::attention(p); }
   void merge_states(const MergeStatesParams& p, Stream) override { cpu::merge_states(p); }
   void append_kv(const AppendKVParams& p, Stream) override { cpu::append_kv(p); }

@@ -106,8 +106,11 @@ class CudaBackend final : public Backend {
     return sms_ * cuda::decode_ctas_per_sm(s.head_dim_qk, s.kv_dtype);
   }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).
-  int32_t target_tile_rows(const AttentionShape& shape) const override {
-    return cuda::prefill_rows(normalized(shape).head_dim_qk);
+  // The short tile (64 rows) when the batch's requests pack at most that many rows on average, else the head dim's
+  // (128 up to head_dim 128); run() launches the kernel whose tile fits the plan's query tiles (prefill_plan_rows).
+  int32_t target_tile_rows(const AttentionShape& shape, double avg_packed_rows) const override {
+    const int32_t rows = cuda::prefill_rows(normalized(shape).head_dim_qk);
+    return avg_packed_rows <= cuda::kPrefillShortRows ? std::min(rows, cuda::kPrefillShortRows) : rows;
   }
   bool plan_in_device_memory() const override { return true; }
   // Two 64-token tiles: one CTA's pipeline still overlaps a load with a compute.
@@ -150,7 +153,8 @@ class CudaBackend final : public Backend {
     DeviceGuard guard(device_);
     const AttentionShape shape{p.num_qo_heads, p.num_kv_heads, p.head_dim_qk, p.head_dim_vo,
                                p.q_dtype,      p.kv.dtype,     p.o_dtype};
-    jit::KernelKey key = jit_kernels().key_for(kind, shape);
+    jit::KernelKey key =
+        jit_kernels().key_for(kind, shape, false, kind == PlanKind::kPrefill ? cuda::prefill_plan_rows(p) : 0);
     key.set_variant(name, source);
     jit_kernels().run_variant(p, key, args, static_cast<cudaStream_t>(stream));
   }

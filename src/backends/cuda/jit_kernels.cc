@@ -16,22 +16,28 @@ namespace attnforge::cuda {
 namespace {
 
 KernelAttributes attributes(const jit::KernelKey& key) {
-  if (key.family == jit::KernelFamily::kPrefill) return prefill_attributes(key.head_dim_qk, key.prefill_stage_tokens());
+  if (key.family == jit::KernelFamily::kPrefill)
+    return prefill_attributes(key.head_dim_qk, key.prefill_stage_tokens(), key.prefill_rows());
   return decode_attributes(key.head_dim_qk, key.kv_dtype, key.decode_tile.stages);
 }
 
 }  // namespace
 
 LaunchConfig launch_config(const jit::KernelKey& key, const AttentionParams& p) {
-  if (key.family == jit::KernelFamily::kPrefill) return prefill_launch_config(p, key.prefill_stage_tokens());
+  if (key.family == jit::KernelFamily::kPrefill)
+    return prefill_launch_config(p, key.prefill_stage_tokens(), key.prefill_rows());
   return decode_launch_config(p, key.decode_tile.stages);
 }
 
 JitKernels::JitKernels(int device, int major, int minor)
     : device_(device), arch_(jit::arch_for_device(major, minor)) {}
 
-jit::KernelKey JitKernels::key_for(PlanKind kind, const AttentionShape& shape, bool rope) const {
-  if (kind == PlanKind::kPrefill) return jit::prefill_key(shape, arch_, rope);
+jit::KernelKey JitKernels::key_for(PlanKind kind, const AttentionShape& shape, bool rope, int32_t rows) const {
+  if (kind == PlanKind::kPrefill) {
+    jit::PrefillTile tile;
+    tile.rows = rows;
+    return jit::prefill_key(shape, arch_, rope, tile);
+  }
   // ATTNFORGE_DECODE_STAGES: the decode tile's cp.async stages for tuning runs (README); the key validates it.
   const char* stages = std::getenv("ATTNFORGE_DECODE_STAGES");
   if (stages == nullptr || *stages == '\0') return jit::decode_key(shape, arch_);
@@ -75,13 +81,16 @@ const JitKernels::Kernels& JitKernels::kernels(const jit::KernelKey& key) {
   return loaded_.emplace(name, k).first->second;  // modules stay loaded for the life of the process
 }
 
-const JitKernels::Kernels& JitKernels::kernels_for(PlanKind kind, const AttentionShape& shape, bool rope) {
+const JitKernels::Kernels& JitKernels::kernels_for(PlanKind kind, const AttentionShape& shape, bool rope,
+                                                    int32_t rows) {
   const int dim_index = shape.head_dim_qk == 64 ? 0 : shape.head_dim_qk == 128 ? 1 : shape.head_dim_qk == 256 ? 2 : -1;
-  // The kernel variant: decode with K/V in Q's dtype, e4m3 or e5m2 (0-2); prefill without or with RoPE (3, 4).
+  // The kernel variant: decode with K/V in Q's dtype, e4m3 or e5m2 (0-2); prefill without or with RoPE (3, 4),
+  // and the same with the short row tile (5, 6).
   const bool same_kv = shape.kv_dtype == shape.q_dtype;
+  if (kind == PlanKind::kPrefill && rows == cuda::prefill_rows(shape.head_dim_qk)) rows = 0;
   int variant = -1;
   if (kind == PlanKind::kPrefill)
-    variant = same_kv ? 3 + rope : -1;
+    variant = same_kv ? 3 + rope + (rows == 0 ? 0 : 2) : -1;
   else
     variant = same_kv                                  ? 0
               : shape.kv_dtype == DType::kFloat8E4M3 ? 1
@@ -89,28 +98,34 @@ const JitKernels::Kernels& JitKernels::kernels_for(PlanKind kind, const Attentio
                                                      : -1;
   const bool indexed = dim_index >= 0 && variant >= 0 &&
                        (shape.q_dtype == DType::kFloat16 || shape.q_dtype == DType::kBFloat16);
-  if (!indexed) return kernels(key_for(kind, shape, rope));  // throws kUnsupported naming what no kernel serves
+  if (!indexed) return kernels(key_for(kind, shape, rope, rows));  // throws kUnsupported naming what no kernel serves
   std::atomic<const Kernels*>& slot = by_shape_[(variant * 3 + dim_index) * 2 + (shape.q_dtype == DType::kBFloat16)];
   if (const Kernels* k = slot.load(std::memory_order_acquire)) return *k;
-  const Kernels& k = kernels(key_for(kind, shape, rope));
+  const Kernels& k = kernels(key_for(kind, shape, rope, rows));
   slot.store(&k, std::memory_order_release);
   return k;
 }
 
 int JitKernels::ctas_per_sm(const AttentionShape& shape, PlanKind kind) {
   if (kind != PlanKind::kPrefill) return kernels_for(kind, shape, false).ctas_per_sm;
-  // The RoPE kernel compiles on another thread meanwhile (the kernel cache lets lookups of different keys run
-  // at once); its failure is reported like the plain kernel's.
-  std::future<void> rope = std::async(std::launch::async, [&] { kernels_for(kind, shape, true); });
+  // The other prefill kernels (with RoPE, with the short row tile) compile on other threads meanwhile (the kernel
+  // cache lets lookups of different keys run at once); their failures are reported like the plain kernel's.
+  std::vector<std::future<void>> others;
+  for (int32_t rows : {0, kPrefillShortRows})
+    for (bool rope : {false, true})
+      if (rows != 0 || rope)
+        if (rows == 0 || prefill_rows(shape.head_dim_qk) != kPrefillShortRows)
+          others.push_back(std::async(std::launch::async, [&, rows, rope] { kernels_for(kind, shape, rope, rows); }));
   const int n = kernels_for(kind, shape, false).ctas_per_sm;
-  rope.get();
+  for (std::future<void>& f : others) f.get();
   return n;
 }
 
 void JitKernels::run(const AttentionParams& p, PlanKind kind, cudaStream_t stream) {
   const AttentionShape shape{p.num_qo_heads, p.num_kv_heads, p.head_dim_qk, p.head_dim_vo,
                              p.q_dtype,      p.kv.dtype,     p.o_dtype};
-  const Kernels& k = kernels_for(kind, shape, kind == PlanKind::kPrefill && p.variant.rope.enabled);
+  const bool prefill = kind == PlanKind::kPrefill;
+  const Kernels& k = kernels_for(kind, shape, prefill && p.variant.rope.enabled, prefill ? prefill_plan_rows(p) : 0);
   const LaunchConfig c = launch_config(k.key, p);
   AttentionParams params = p;
   void* args[] = {&params};

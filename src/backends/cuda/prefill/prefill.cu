@@ -2,6 +2,8 @@
 // kernels share. Split-KV items are merged by the shared merge kernel (backends/cuda/merge).
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/kernel_config.h"
 #include "backends/cuda/merge/merge.h"
@@ -13,15 +15,22 @@ namespace attnforge::cuda {
 namespace {
 
 // bf16 and fp16 instantiations, with and without RoPE, use the same threads and shared memory.
-template <int D>
+template <int D, int kRows>
 KernelAttributes attributes_of(int stage_tokens) {
   auto make = [](auto traits) {
     using Tr = decltype(traits);
     return KernelAttributes{Tr::kThreads, Tr::kSmemBytes, 100};
   };
   constexpr int kStep = prefill_tile_tokens(D);
-  return stage_tokens == 2 * kStep ? make(PrefillTraits<D, Bf16, false, 2 * kStep>{})
-                                   : make(PrefillTraits<D, Bf16, false, kStep>{});
+  return stage_tokens == 2 * kStep ? make(PrefillTraits<D, Bf16, false, 2 * kStep, kRows>{})
+                                   : make(PrefillTraits<D, Bf16, false, kStep, kRows>{});
+}
+
+template <int D>
+KernelAttributes attributes_of(int stage_tokens, int rows) {
+  if constexpr (prefill_rows(D) != kPrefillShortRows)
+    if (rows == kPrefillShortRows) return attributes_of<D, kPrefillShortRows>(stage_tokens);
+  return attributes_of<D, prefill_rows(D)>(stage_tokens);
 }
 
 // Sets the attributes once per instantiation and device; returns the CTAs one SM holds.
@@ -29,41 +38,62 @@ template <class Tr>
 int configure() {
   static PerDevice ctas_per_sm;
   return ctas_per_sm.get([] {
-    const KernelAttributes a = prefill_attributes(Tr::kHeadDim, Tr::kStageTokens);
+    const KernelAttributes a = prefill_attributes(Tr::kHeadDim, Tr::kStageTokens, Tr::kRows);
     return configure_kernel(prefill_kernel<Tr>, a.threads, a.max_dynamic_smem, a.carveout_percent);
   });
 }
 
-template <int D, typename Elem, bool kRope>
+template <int D, typename Elem, bool kRope, int kRows>
 void launch(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
-  using Tr = PrefillTraits<D, Elem, kRope>;
+  using Tr = PrefillTraits<D, Elem, kRope, prefill_tile_tokens(D), kRows>;
   configure<Tr>();
   prefill_kernel<Tr><<<dims.grid, dims.block, dims.smem_bytes, stream>>>(p);
   ATTNFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
-template <int D, bool kRope>
+template <int D, bool kRope, int kRows>
 void launch_dtype(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
-  p.q_dtype == DType::kBFloat16 ? launch<D, Bf16, kRope>(p, dims, stream) : launch<D, F16, kRope>(p, dims, stream);
+  p.q_dtype == DType::kBFloat16 ? launch<D, Bf16, kRope, kRows>(p, dims, stream)
+                                : launch<D, F16, kRope, kRows>(p, dims, stream);
 }
 
+template <int D, int kRows>
+void launch_rope(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
+  p.variant.rope.enabled ? launch_dtype<D, true, kRows>(p, dims, stream)
+                         : launch_dtype<D, false, kRows>(p, dims, stream);
+}
+
+// The head dim's tile, or the short one for plans of short query tiles (prefill_cta_rows).
 template <int D>
 void launch_variant(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
-  p.variant.rope.enabled ? launch_dtype<D, true>(p, dims, stream) : launch_dtype<D, false>(p, dims, stream);
+  if constexpr (prefill_rows(D) != kPrefillShortRows)
+    if (prefill_plan_rows(p) == kPrefillShortRows) return launch_rope<D, kPrefillShortRows>(p, dims, stream);
+  launch_rope<D, prefill_rows(D)>(p, dims, stream);
 }
 
 }  // namespace
 
-KernelAttributes prefill_attributes(int head_dim, int stage_tokens) {
+KernelAttributes prefill_attributes(int head_dim, int stage_tokens, int rows) {
   switch (head_dim) {
-    case 64: return attributes_of<64>(stage_tokens);
-    case 128: return attributes_of<128>(stage_tokens);
-    default: return attributes_of<256>(stage_tokens);
+    case 64: return attributes_of<64>(stage_tokens, rows);
+    case 128: return attributes_of<128>(stage_tokens, rows);
+    default: return attributes_of<256>(stage_tokens, rows);
   }
 }
 
-LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens) {
-  return attention_launch_config(p, prefill_rows(p.head_dim_qk), prefill_attributes(p.head_dim_qk, stage_tokens));
+int prefill_plan_rows(const AttentionParams& p) {
+  return prefill_cta_rows(p.head_dim_qk, p.qo_tile * (p.num_qo_heads / p.num_kv_heads));
+}
+
+LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens, int rows) {
+  LaunchConfig c = attention_launch_config(p, rows, prefill_attributes(p.head_dim_qk, stage_tokens, rows));
+  // Row blocks for the longest query tile any re-plan of this shape can have (the head dim's tile, or one token
+  // of a group larger than it), not only this plan's: a graph captured with a plan of short tiles then still
+  // covers every row of a re-plan with long ones (CTAs past an item's rows skip it).
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int longest = std::max({prefill_rows(p.head_dim_qk), group, p.qo_tile * group});
+  c.attention.grid.z = static_cast<unsigned>((longest + rows - 1) / rows);
+  return c;
 }
 
 int prefill_ctas_per_sm(int head_dim) {
@@ -76,7 +106,7 @@ int prefill_ctas_per_sm(int head_dim) {
 }
 
 void run_prefill(const AttentionParams& p, cudaStream_t stream) {
-  const LaunchConfig c = prefill_launch_config(p, prefill_tile_tokens(p.head_dim_qk));
+  const LaunchConfig c = prefill_launch_config(p, prefill_tile_tokens(p.head_dim_qk), prefill_plan_rows(p));
   switch (p.head_dim_qk) {
     case 64: launch_variant<64>(p, c.attention, stream); break;
     case 128: launch_variant<128>(p, c.attention, stream); break;

@@ -12,9 +12,12 @@
 namespace attnforge::cuda {
 
 // `stage_tokens`: K/V tokens per cp.async stage, a multiple of prefill_tile_tokens(head_dim) (PrefillTraits).
+// `rows`: packed query rows per CTA, prefill_rows(head_dim) or kPrefillShortRows (tile_config.cuh).
 // RoPE and the element type change neither the threads nor the shared memory.
-KernelAttributes prefill_attributes(int head_dim, int stage_tokens);
-LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens);
+KernelAttributes prefill_attributes(int head_dim, int stage_tokens, int rows);
+// The rows per CTA run() launches for a plan: the short tile when its query tiles pack at most that many rows.
+int prefill_plan_rows(const AttentionParams& p);
+LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens, int rows);
 
 // The nvcc-compiled kernels (the default tile configuration).
 int prefill_ctas_per_sm(int head_dim);

@@ -19,7 +19,8 @@
 
 namespace attnforge::cuda {
 
-template <int kHeadDim_, typename Elem_, bool kRope_ = false, int kStageTokens_ = prefill_tile_tokens(kHeadDim_)>
+template <int kHeadDim_, typename Elem_, bool kRope_ = false, int kStageTokens_ = prefill_tile_tokens(kHeadDim_),
+          int kRows_ = prefill_rows(kHeadDim_)>
 struct PrefillTraits {
   using Elem = Elem_;  // Bf16 or F16: Q and K/V element type, and the mma operand type
   static constexpr int kHeadDim = kHeadDim_;
@@ -28,9 +29,10 @@ struct PrefillTraits {
   static constexpr bool kRope = kRope_;
   static constexpr int kWarps = kPrefillWarps;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kMTiles = prefill_m_tiles(kHeadDim);
+  // Rows per CTA: the head dim's (prefill_rows), or the short tile (kPrefillShortRows: one m16 tile per warp).
+  static constexpr int kRows = kRows_;
+  static constexpr int kMTiles = kRows / (16 * kWarps);
   static constexpr int kWarpRows = 16 * kMTiles;
-  static constexpr int kRows = prefill_rows(kHeadDim);
   static constexpr int kTileTokens = prefill_tile_tokens(kHeadDim);  // K/V tokens per softmax step
   static constexpr int kStageTokens = kStageTokens_;  // K/V tokens per pipeline stage (a multiple of the above)
   // Three stages where they fit two CTAs per SM (80 KB at head_dim 128), two at head_dim 256 (96 KB).
@@ -40,6 +42,7 @@ struct PrefillTraits {
   static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * kStages * kStageElems);
   static constexpr int kMinBlocksPerSM = 2;
   static_assert(kRows == kWarps * kWarpRows, "rows are split evenly over the warps");
+  static_assert(kMTiles >= 1 && kMTiles <= prefill_m_tiles(kHeadDim), "at most the head dim's m tiles per warp");
   static_assert(kHeadDim % 16 == 0 && kTileTokens % 16 == 0, "mma k16 steps");
   static_assert(kStageTokens % kTileTokens == 0, "a stage holds whole softmax steps");
 };
