@@ -230,6 +230,7 @@ TEST(PlanInvariants, RandomBatches) {
     o.deterministic = uniform(0, 3) == 0;
     o.fixed_split_size = pick(std::vector<int32_t>{0, 64, 100, 1000});
     o.disable_split = uniform(0, 6) == 0;
+    o.tile_rows = uniform(0, 3) == 0 ? pick(std::vector<int32_t>{1, 16, 64, 200}) : 0;
     const int32_t batch = uniform(1, 12);
     std::vector<int32_t> qo(batch), kv(batch);
     for (int32_t b = 0; b < batch; ++b) {
@@ -392,6 +393,33 @@ TEST(PlanSplit, LongDecodeIsSplitWhenWorkersAreIdle) {
   EXPECT_EQ(serial.items.size(), 1u) << serial.describe();
   EXPECT_EQ(serial.workspace_bytes, 0u);
   EXPECT_NE(serial.describe().find("1 items"), std::string::npos) << serial.describe();
+}
+
+// ---- query tiles ----
+
+TEST(PlanTiles, TileRowsOptionSetsTheQueryTile) {
+  // Group 4: 128 packed rows are 32 query tokens, 16 rows are 4; the CPU tiles any positive size.
+  Batch bt(KVFormat::kPagedCSR, 16, {300, 7}, {1000, 500});
+  const AttentionShape shape{32, 8, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16};
+  PlanOptions o;
+  EXPECT_EQ(plan_batch_prefill(bt.args(shape, o)).qo_tile, planner::kCpuTargetRows / 4);
+  o.tile_rows = 16;
+  const AttentionPlan small = plan_batch_prefill(bt.args(shape, o));
+  EXPECT_EQ(small.qo_tile, 4);
+  EXPECT_EQ(plan_violation(small, bt, false), "");
+  o.tile_rows = 2;  // fewer rows than the group: one query token per tile
+  EXPECT_EQ(plan_batch_prefill(bt.args(shape, o)).qo_tile, 1);
+  o.tile_rows = -64;
+  try {
+    plan_batch_prefill(bt.args(shape, o));
+    ADD_FAILURE() << "tile_rows -64 was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("options.tile_rows: -64; expected 0 (the backend's choice) or a positive "
+                                         "number"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

@@ -29,6 +29,11 @@ struct AttentionShape {
 
 struct PlanOptions {
   int32_t num_workers = 0;       // 0: the device's (CPU threads, or SMs)
+  // Prefill plans: packed query rows (query tokens x heads of a group) per query tile. 0: the backend picks from
+  // the batch shape (CUDA: 64-row tiles when the requests pack at most 64 rows on average, else the head dim's
+  // tile). Otherwise one of the backend's tiles (CUDA: 64 or the head dim's, 128 up to head_dim 128); a tuning
+  // and measuring knob, like num_workers.
+  int32_t tile_rows = 0;
   bool deterministic = false;    // true: KV split at fixed positions (fixed_split_size) whatever the batch
   int32_t fixed_split_size = 0;  // KV tokens per split in deterministic mode; 0: 2048
   bool disable_split = false;    // never split KV (no workspace needed)
@@ -67,6 +72,7 @@ struct AttentionPlan {
   int64_t total_qo = 0;
   bool causal = false;        // made with PlanOptions::causal
   int32_t qo_tile = 0;        // query tokens per item (decode: a whole request)
+  int32_t tile_rows = 0;      // prefill: the packed rows per tile the plan was cut for (a device's CTA rows); decode 0
   int32_t kv_chunk = 0;       // the longest KV piece of a split item (at least the planned chunk); 0: not split
   std::vector<int32_t> qo_indptr;  // [batch + 1]
   std::vector<int32_t> kv_len;     // [batch]

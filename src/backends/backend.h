@@ -28,6 +28,11 @@ class Backend {
   // `avg_packed_rows` rows on average (query tokens x group): a device with a short tile takes it for batches of
   // short queries (speculative verification, chunked prefill among decodes).
   virtual int32_t target_tile_rows(const AttentionShape& shape, double avg_packed_rows) const = 0;
+  // The values PlanOptions::tile_rows may take for this shape; empty: any positive number (the CPU tiles any size).
+  virtual std::vector<int32_t> tile_rows_choices(const AttentionShape& shape) const {
+    (void)shape;
+    return {};
+  }
   // Whether kernels read the plan from the workspace (device memory) rather than from the plan object.
   virtual bool plan_in_device_memory() const { return false; }
   // Copies host bytes to device memory, asynchronously on `stream` (device backends only).

@@ -367,6 +367,7 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
   p.item_capacity = plan.item_capacity;
   p.merge_capacity = plan.merge_capacity;
   p.qo_tile = plan.qo_tile;
+  p.tile_rows = plan.tile_rows;
   PlanView& host_view = prepared.host_view;
   host_view = PlanView{};
   if (backend.plan_in_device_memory()) {

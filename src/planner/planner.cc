@@ -1,6 +1,7 @@
 // plan_batch_decode / plan_batch_prefill: validate host metadata, cut the batch into work items, size the
 // workspace. Runs on the host only; never touches device memory.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <vector>
@@ -124,17 +125,27 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
   plan.causal = a.options.causal;
 
   const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
+  const int32_t tile_rows = a.options.tile_rows;
+  if (tile_rows != 0) {
+    const std::vector<int32_t> choices = backend.tile_rows_choices(shape);
+    if (tile_rows < 0 || (!choices.empty() && std::find(choices.begin(), choices.end(), tile_rows) == choices.end()))
+      fail_arg("options.tile_rows: {}; expected 0 (the backend's choice) or {} for head_dim {} on {}", tile_rows,
+               choices.empty() ? std::string("a positive number") : fmt::format("one of {{{}}}", fmt::join(choices, ", ")),
+               shape.head_dim_qk, to_string(a.device));
+  }
+  auto target_rows = [&](double packed_rows) {
+    return tile_rows > 0 ? tile_rows : backend.target_tile_rows(shape, packed_rows);
+  };
   const double avg_packed_rows = batch > 0 ? static_cast<double>(plan.total_qo) * group / batch : 0.0;
+  plan.tile_rows = kind == PlanKind::kDecode ? 0 : target_rows(avg_packed_rows);
   plan.qo_tile = kind == PlanKind::kDecode ? std::max(1, max_qo)
-                                           : planner::choose_qo_tile(group, std::max(1, max_qo),
-                                                                     backend.target_tile_rows(shape, avg_packed_rows));
+                                           : planner::choose_qo_tile(group, std::max(1, max_qo), plan.tile_rows);
   // The query tile of a batch of long queries with these lengths: partial states are sized for it, so a plan cut
   // in short tiles does not shrink the workspace below what the same batch size needed before.
   const double longest_rows = static_cast<double>(max_qo) * group;
   const int32_t long_qo_tile =
-      kind == PlanKind::kDecode
-          ? plan.qo_tile
-          : planner::choose_qo_tile(group, std::max(1, max_qo), backend.target_tile_rows(shape, longest_rows));
+      kind == PlanKind::kDecode ? plan.qo_tile
+                                : planner::choose_qo_tile(group, std::max(1, max_qo), target_rows(longest_rows));
 
   // Query tiles and the KV each one reads (causal: up to the last row's diagonal).
   struct Tile {
@@ -234,11 +245,12 @@ AttentionPlan plan_batch_decode(const BatchPlanArgs& args) { return make_plan(ar
 AttentionPlan plan_batch_prefill(const BatchPlanArgs& args) { return make_plan(args, PlanKind::kPrefill); }
 
 std::string AttentionPlan::describe() const {
-  return fmt::format("AttentionPlan v{} {}{} on {}: batch {}, {} query rows, {} KV with page size {}, qo_tile {}, "
+  return fmt::format("AttentionPlan v{} {}{} on {}: batch {}, {} query rows, {} KV with page size {}, qo_tile {}{}, "
                      "kv_chunk {}, {} items, {} merges, workspace {} bytes",
                      version, kind == PlanKind::kDecode ? "decode" : "prefill", causal ? " (causal)" : "",
-                     to_string(device), batch_size, total_qo, to_string(kv_format), page_size, qo_tile, kv_chunk,
-                     items.size(), merges.size(), workspace_bytes);
+                     to_string(device), batch_size, total_qo, to_string(kv_format), page_size, qo_tile,
+                     tile_rows > 0 ? fmt::format(" ({} rows)", tile_rows) : std::string(), kv_chunk, items.size(),
+                     merges.size(), workspace_bytes);
 }
 
 }  // namespace attnforge

@@ -301,9 +301,51 @@ TEST(CudaPrefillShortTiles, SpeculativeVerificationBatches) {
           DeviceCase dev(c);
           const AttentionPlan plan = plan_and_run_cuda(c, dev);
           EXPECT_LE(plan.qo_tile * group, 64) << "the plan did not pick the short tile: " << plan.describe();
+          EXPECT_EQ(plan.tile_rows, 64) << plan.describe();
           const Verdict v = check_case(c, {});
           EXPECT_TRUE(v.ok) << v.message << "\n  case: " << s.describe() << "\n  plan: " << plan.describe();
         }
+}
+
+// PlanOptions::tile_rows picks the kernel whatever the batch: the head dim's 128-row tile for short queries, the
+// 64-row tile for long ones (its query tiles are then cut at 64 rows); other values are refused, naming the set.
+TEST(CudaPrefillShortTiles, TileRowsOption) {
+  for (int32_t d : {64, 128})
+    for (int32_t rows : {64, 128})
+      for (bool long_queries : {false, true}) {
+        CaseSpec s;
+        s.kind = PlanKind::kPrefill;
+        s.num_kv_heads = 2, s.num_qo_heads = 10, s.head_dim_qk = d, s.page_size = 16;
+        s.qo_lens = long_queries ? std::vector<int32_t>{300, 77} : std::vector<int32_t>{4, 8, 3};
+        s.kv_lens = long_queries ? std::vector<int32_t>{900, 77} : std::vector<int32_t>{1000, 2049, 40};
+        s.options.causal = true;
+        s.plan.tile_rows = rows;
+        s.seed = 950 + d + rows + long_queries;
+        Case c = make_case(s);
+        DeviceCase dev(c);
+        const AttentionPlan plan = plan_and_run_cuda(c, dev);
+        EXPECT_EQ(plan.tile_rows, rows) << plan.describe();
+        EXPECT_LE(plan.qo_tile * 5, rows) << plan.describe();
+        const Verdict v = check_case(c, {});
+        EXPECT_TRUE(v.ok) << v.message << "\n  case: " << s.describe() << "\n  plan: " << plan.describe();
+      }
+  CaseSpec s;
+  s.kind = PlanKind::kPrefill;
+  s.num_kv_heads = 2, s.num_qo_heads = 8, s.head_dim_qk = 256;
+  s.qo_lens = {5}, s.kv_lens = {50};
+  s.plan.tile_rows = 128;  // head_dim 256 has only the 64-row tile
+  Case c = make_case(s);
+  BatchPlanArgs args = c.plan_args();
+  args.device = Device::cuda(0);
+  try {
+    plan_batch_prefill(args);
+    ADD_FAILURE() << "tile_rows 128 at head_dim 256 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("options.tile_rows: 128; expected 0 (the backend's choice) or one of {64} "
+                                         "for head_dim 256"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // Random batches restricted to what the CUDA backend runs; a failure prints the reproducing command.

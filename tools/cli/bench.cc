@@ -198,8 +198,10 @@ int run_bench(const BenchOptions& options) {
       throw std::runtime_error(
           fmt::format("--case {}: no case of suite {} has that in its name", options.case_filter, z.suite));
   }
-  if (options.workers > 0)
-    for (BenchCase& c : suite) c.spec.plan.num_workers = options.workers;
+  for (BenchCase& c : suite) {
+    if (options.workers > 0) c.spec.plan.num_workers = options.workers;
+    if (options.tile_rows > 0) c.spec.plan.tile_rows = options.tile_rows;
+  }
   const size_t steps = suite.size() + 2;
   std::ofstream json;
   if (!options.json_path.empty()) {

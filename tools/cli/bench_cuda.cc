@@ -585,8 +585,10 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
       throw std::runtime_error(fmt::format("--case {}: no case of suite {} has that in its name", options.case_filter,
                                            options.suite));
   }
-  if (options.workers > 0)
-    for (GpuBenchCase& c : suite) c.spec.plan.num_workers = options.workers;
+  for (GpuBenchCase& c : suite) {
+    if (options.workers > 0) c.spec.plan.num_workers = options.workers;
+    if (options.tile_rows > 0) c.spec.plan.tile_rows = options.tile_rows;
+  }
   const size_t steps = suite.size() + 2;
   fmt::print(stderr, "[1/{}] ceiling: device-to-device copy ...\n", steps);
   const CopyCeiling copy = copy_bandwidth();

@@ -22,6 +22,7 @@ struct BenchOptions {
   std::string case_filter;     // only the cases whose name contains this (empty: all)
   int32_t gpus = 0;            // suite long: the most GPUs to split over (0: every visible one, at most 8)
   int32_t workers = 0;         // PlanOptions::num_workers of every case (0: the device's); a tuning knob
+  int32_t tile_rows = 0;       // PlanOptions::tile_rows of every prefill case (0: the planner's choice)
 };
 
 struct WarmupCommandOptions {

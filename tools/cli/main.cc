@@ -38,6 +38,10 @@ int main(int argc, char** argv) {
                         "Plan every case for this many parallel workers (PlanOptions::num_workers; default: the "
                         "device's threads, or SMs x CTAs per SM): how finely long KV is split, for tuning runs")
       ->check(CLI::Range(1, 1 << 20));
+  bench_cmd->add_option("--tile-rows", bench.tile_rows,
+                        "Plan every prefill case with query tiles of this many packed rows (PlanOptions::tile_rows; "
+                        "default: the planner's choice from the batch shape); values the device lacks are refused")
+      ->check(CLI::Range(1, 1 << 20));
   bench_cmd->add_option("--iters", bench.iters, "Timed runs per case (default: 20, or 5 with --quick)")
       ->check(CLI::Range(1, 1000000));
 

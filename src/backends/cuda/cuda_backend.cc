@@ -107,10 +107,15 @@ class CudaBackend final : public Backend {
   }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).
   // The short tile (64 rows) when the batch's requests pack at most that many rows on average, else the head dim's
-  // (128 up to head_dim 128); run() launches the kernel whose tile fits the plan's query tiles (prefill_plan_rows).
+  // (128 up to head_dim 128); run() launches the kernel of the plan's tile_rows (prefill_plan_rows).
   int32_t target_tile_rows(const AttentionShape& shape, double avg_packed_rows) const override {
     const int32_t rows = cuda::prefill_rows(normalized(shape).head_dim_qk);
     return avg_packed_rows <= cuda::kPrefillShortRows ? std::min(rows, cuda::kPrefillShortRows) : rows;
+  }
+  std::vector<int32_t> tile_rows_choices(const AttentionShape& shape) const override {
+    const int32_t rows = cuda::prefill_rows(normalized(shape).head_dim_qk);
+    if (rows <= cuda::kPrefillShortRows) return {rows};
+    return {cuda::kPrefillShortRows, rows};
   }
   bool plan_in_device_memory() const override { return true; }
   // Two 64-token tiles: one CTA's pipeline still overlaps a load with a compute.

@@ -28,6 +28,7 @@ DriverApi load() {
   resolve(lib, "cuFuncSetAttribute", &d.cuFuncSetAttribute);
   resolve(lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor", &d.cuOccupancyMaxActiveBlocksPerMultiprocessor);
   resolve(lib, "cuLaunchKernel", &d.cuLaunchKernel);
+  resolve(lib, "cuLaunchKernelEx", &d.cuLaunchKernelEx);
   resolve(lib, "cuGetErrorName", &d.cuGetErrorName);
   return d;  // the library stays loaded for the life of the process, like the modules loaded through it
 }

@@ -7,6 +7,7 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/decode/decode.h"
 #include "backends/cuda/driver_api.h"
+#include "backends/cuda/merge/merge.h"
 #include "backends/cuda/prefill/prefill.h"
 #include "core/check.h"
 #include "jit/kernel_cache.h"
@@ -135,7 +136,18 @@ void JitKernels::run(const AttentionParams& p, PlanKind kind, cudaStream_t strea
                                         dims.block.z, dims.smem_bytes, static_cast<CUstream>(stream), args, nullptr));
   };
   launch(k.attention, c.attention);
-  if (c.run_merge) launch(k.merge, c.merge);
+  if (!c.run_merge) return;
+  // A programmatic dependent of the attention kernel where the GPU has it, as the nvcc build's run_merge.
+  CUlaunchAttribute attribute{};
+  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attribute.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config{};
+  config.gridDimX = c.merge.grid.x, config.gridDimY = c.merge.grid.y, config.gridDimZ = c.merge.grid.z;
+  config.blockDimX = c.merge.block.x, config.blockDimY = c.merge.block.y, config.blockDimZ = c.merge.block.z;
+  config.sharedMemBytes = c.merge.smem_bytes, config.hStream = static_cast<CUstream>(stream);
+  config.attrs = &attribute;
+  config.numAttrs = merge_programmatic_launch() ? 1 : 0;
+  ATTNFORGE_CU_CHECK(d.cuLaunchKernelEx(&config, k.merge, args, nullptr));
 }
 
 void JitKernels::run_variant(const AttentionParams& p, const jit::KernelKey& key, const VariantArgs& args,

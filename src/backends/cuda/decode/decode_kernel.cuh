@@ -428,6 +428,8 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     }
     cp_async_wait<0>();
     __syncthreads();  // all warps are done with the stages: reuse them for the merge
+    // The merge kernel may be scheduled once every CTA got here (it waits for this grid's end before reading).
+    grid_launch_dependents();
 
     // Merge the four warps' states. Row sums are per-thread partials until here.
     const DecodeMergeSmem<Tr> ms(sK);

@@ -33,6 +33,20 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* sme
                : "r"(smem_address(smem)));
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before): the running grid lets the next one, launched with the
+// programmatic-serialization attribute, be scheduled; the dependent grid waits until the grid before it has
+// completed and its memory is visible. Without that attribute the wait returns at once.
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Element types of the 16-bit tensor-core operands.
 struct Bf16 {};
 struct F16 {};

@@ -1,5 +1,10 @@
 #include "backends/cuda/merge/merge.h"
 
+#include <cstdlib>
+#include <string>
+
+#include "attnforge/error.h"
+
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/merge/merge_kernel.cuh"
 
@@ -20,11 +25,34 @@ LaunchConfig attention_launch_config(const AttentionParams& p, int rows_per_cta,
   return c;
 }
 
+bool merge_programmatic_launch() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("ATTNFORGE_MERGE_PDL");
+    if (v && std::string(v) != "0" && std::string(v) != "1")
+      throw Error(ErrorKind::kInvalidArgument, "ATTNFORGE_MERGE_PDL=" + std::string(v) + ": expected 0 or 1");
+    return !(v && std::string(v) == "0");
+  }();
+  static PerDevice major;  // 1 + the compute capability's major version (0 means not yet asked)
+  const int m = major.get([] {
+    int device = 0, value = 0;
+    ATTNFORGE_CUDA_CHECK(cudaGetDevice(&device));
+    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, device));
+    return value + 1;
+  });
+  return allowed && m - 1 >= 9;
+}
+
 void run_merge(const AttentionParams& p, cudaStream_t stream) {
   if (p.merge_capacity <= 0) return;
   const KernelDims d = merge_dims(p);
-  merge_kernel<<<d.grid, d.block, d.smem_bytes, stream>>>(p);
-  ATTNFORGE_CUDA_CHECK(cudaGetLastError());
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = d.grid, config.blockDim = d.block, config.dynamicSmemBytes = d.smem_bytes, config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = merge_programmatic_launch() ? 1 : 0;
+  ATTNFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, merge_kernel, p));
 }
 
 void run_merge_states(const MergeStatesParams& p, cudaStream_t stream) {

@@ -16,6 +16,10 @@ KernelDims merge_dims(const AttentionParams& p);
 // Launches the nvcc-compiled merge kernel; a no-op when the plan has no merge capacity.
 void run_merge(const AttentionParams& p, cudaStream_t stream);
 
+// Whether the merge kernel is launched as a programmatic dependent of the attention kernel on the current device:
+// compute capability 9.0 or newer, unless ATTNFORGE_MERGE_PDL=0 (a measuring knob: the plain launch for A/B runs).
+bool merge_programmatic_launch();
+
 // The merge_state / merge_states operators on `stream`.
 void run_merge_states(const MergeStatesParams& p, cudaStream_t stream);
 

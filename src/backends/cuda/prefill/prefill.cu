@@ -82,7 +82,7 @@ KernelAttributes prefill_attributes(int head_dim, int stage_tokens, int rows) {
 }
 
 int prefill_plan_rows(const AttentionParams& p) {
-  return prefill_cta_rows(p.head_dim_qk, p.qo_tile * (p.num_qo_heads / p.num_kv_heads));
+  return prefill_cta_rows(p.head_dim_qk, p.tile_rows > 0 ? p.tile_rows : p.qo_tile * (p.num_qo_heads / p.num_kv_heads));
 }
 
 LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens, int rows) {

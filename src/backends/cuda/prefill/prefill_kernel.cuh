@@ -403,6 +403,7 @@ __device__ __forceinline__ void prefill_body(const AttentionParams& p, const Var
       }
     }
     cp_async_wait<0>();
+    grid_launch_dependents();  // the merge kernel may be scheduled (it waits for this grid's end before reading)
 
     // Each row's state is complete in its quad of lanes: normalize and write it. A custom variant's output
     // transform needs whole fp32 rows: they go through shared memory instead (custom variants never split KV).
