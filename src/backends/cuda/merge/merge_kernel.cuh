@@ -23,7 +23,9 @@ constexpr int kMergeMaxDim = 256;  // head_dim_vo of every kernel family that sp
 template <int kPairs>
 __device__ __forceinline__ void merge_row(const AttentionParams& p, const PlanView& plan, const MergeItem& mi,
                                           int tok, int first_row, float* s_m, float* s_l, float2 (*s_o)[kMergeMaxDim / 2]) {
-  constexpr int kBatch = 32 / kPairs;  // states whose slices a lane loads at once: 64 registers of O in flight
+  // States whose slices a lane loads at once: 32 registers of O in flight (64 made the kernel 143 registers, three
+  // CTAs per SM, and merges of many rows slower than the block-wide pass: 120 us against 36 us, H200, 15e76a7).
+  constexpr int kBatch = 16 / kPairs;
   const int h = blockIdx.y, heads = p.num_qo_heads, dvo = p.head_dim_vo;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const WorkItem* items = plan.items + mi.first_item;
@@ -98,12 +100,12 @@ __device__ __forceinline__ void merge_row(const AttentionParams& p, const PlanVi
   __syncthreads();  // shared memory is reused by the next row
 }
 
-// Combines the partial states of each merge item: one CTA per (merge, query head), grid-stride over the plan's
-// merges, a row at a time (merge_row). Launched as a programmatic dependent of the attention kernel where the GPU
+// Combines the partial states of each merge item: one CTA per (merge, query head, row block), grid-stride over the
+// plan's merges and over the merge's query rows by gridDim.z (merge_row). Launched as a programmatic dependent of the attention kernel where the GPU
 // has it (sm_90+): the plan's metadata (uploaded before the attention kernel) is read first, then
 // griddepcontrol.wait holds the CTA until the attention grid has finished and its partial states are visible.
-// The minimum of one block per SM lifts the register cap ptxas otherwise chose (32, with a spill).
-__global__ void __launch_bounds__(kMergeThreads, 1) merge_kernel(const AttentionParams p) {
+// At most 102 registers: five CTAs per SM or more (at six, ptxas spilled 32 bytes).
+__global__ void __launch_bounds__(kMergeThreads, 5) merge_kernel(const AttentionParams p) {
   __shared__ float s_m[kMergeWarps], s_l[kMergeWarps];
   __shared__ float2 s_o[kMergeWarps][kMergeMaxDim / 2];
   const PlanView& plan = *p.plan;
@@ -114,7 +116,7 @@ __global__ void __launch_bounds__(kMergeThreads, 1) merge_kernel(const Attention
     const int k = warp + kMergeWarps * lane;
     const int first_row = k < mi.num_items ? plan.items[mi.first_item + k].partial_row : 0;
     grid_dependency_wait();
-    for (int tok = mi.qo_begin; tok < mi.qo_end; ++tok) {
+    for (int tok = mi.qo_begin + static_cast<int>(blockIdx.z); tok < mi.qo_end; tok += gridDim.z) {
       switch (p.head_dim_vo) {
         case 64: merge_row<1>(p, plan, mi, tok, first_row, s_m, s_l, s_o); break;
         case 128: merge_row<2>(p, plan, mi, tok, first_row, s_m, s_l, s_o); break;
