@@ -69,72 +69,70 @@ Reference compute(const Case& c, const std::vector<int64_t>& rows_wanted, bool r
     for (int32_t i = 0; i < s.qo_lens[b]; ++i)
       if (want[c.qo_indptr[b] + i]) rows.emplace_back(b, i);
   parallel_for(static_cast<int64_t>(rows.size()) * Hq, [&](int64_t task) {
-      const auto [b, i] = rows[static_cast<size_t>(task / Hq)];
-      const int32_t h = static_cast<int32_t>(task % Hq);
-      const int32_t qo_len = s.qo_lens[b], kv_len = s.kv_lens[b];
-      const int64_t offset = o.rope && o.rope_offsets ? c.pos_offset[b] : 0;
-      const int64_t row = c.qo_indptr[b] + i;
-      const int64_t qpos = kv_len - qo_len + i;
-      {
-        const int32_t kh = h / group;
-        std::vector<Real> q(dqk), k(dqk);
-        for (int32_t d = 0; d < dqk; ++d) q[d] = c.q_vals[(row * Hq + h) * dqk + d];
-        if (o.rope) rotate(q, s, qpos + offset);
-        // Tensor-core kernels hold the rotated rows in the 16-bit operand type; so does the same-precision run.
-        const bool round_rotated = o.rope && round_output && s.q_dtype != DType::kFloat32;
-        if (round_rotated)
-          for (Real& x : q) x = Real(round_to(s.q_dtype, float(x)));
-        std::vector<Real> logits(kv_len, kNegInf);
-        for (int32_t j = 0; j < kv_len; ++j) {
-          bool allowed = true;
-          if (o.causal && j > qpos) allowed = false;
-          if (o.window_left >= 0 && j < qpos - o.window_left) allowed = false;
-          if (o.window_right >= 0 && j > qpos + o.window_right) allowed = false;
-          if (o.custom_mask) {
-            const int64_t bit = static_cast<int64_t>(i) * kv_len + j;
-            if (!((c.mask_bits[c.mask_indptr[b] + bit / 8] >> (bit % 8)) & 1)) allowed = false;
-          }
-          if (!allowed) continue;
-          for (int32_t d = 0; d < dqk; ++d)
-            k[d] = Real(c.k_vals[b][(static_cast<size_t>(j) * Hk + kh) * dqk + d]) * Real(s.k_scale);
-          if (o.rope) rotate(k, s, j + offset);
-          if (round_rotated)
-            for (Real& x : k) x = Real(round_to(s.q_dtype, float(x)));
-          Real dot = 0;
-          for (int32_t d = 0; d < dqk; ++d) dot += q[d] * k[d];
-          Real x = sm_scale * dot;
-          if (o.soft_cap > 0) x = Real(o.soft_cap) * std::tanh(x / Real(o.soft_cap));
-          if (o.alibi) x += Real(c.alibi[h]) * Real(j - qpos);
-          logits[j] = x;
-        }
-        Real m = o.sinks ? Real(c.sinks[h]) : kNegInf;
-        for (Real x : logits) m = std::max(m, x);
-        double* out = &r.o[(row * Hq + h) * dvo];
-        if (m == kNegInf) {  // nothing to attend and no sink: the empty state
-          for (int32_t d = 0; d < dvo; ++d) out[d] = 0;
-          r.lse[row * Hq + h] = -std::numeric_limits<double>::infinity();
-          return;
-        }
-        Real den = o.sinks ? std::exp(Real(c.sinks[h]) - m) : Real(0);
-        std::vector<Real> acc(dvo, 0);
-        for (int32_t j = 0; j < kv_len; ++j) {
-          if (logits[j] == kNegInf) continue;
-          const Real p = std::exp(logits[j] - m);
-          den += p;
-          // A same-precision computation multiplies V by probabilities held in the 16-bit input type (as
-          // tensor-core kernels do); the denominator keeps the unrounded sum.
-          const Real pv = round_output && s.q_dtype != DType::kFloat32 ? Real(round_to(s.q_dtype, float(p))) : p;
-          for (int32_t d = 0; d < dvo; ++d)
-            acc[d] += pv * Real(c.v_vals[b][(static_cast<size_t>(j) * Hk + kh) * dvo + d]) * Real(s.v_scale);
-        }
-        for (int32_t d = 0; d < dvo; ++d) {
-          Real v = acc[d] / den;
-          if (round_output) v = Real(round_to(s.o_dtype, static_cast<float>(v)));
-          out[d] = static_cast<double>(v);
-        }
-        const Real lse = (m + std::log(den)) / std::log(Real(2));
-        r.lse[row * Hq + h] = static_cast<double>(round_output ? Real(static_cast<float>(lse)) : lse);
+    const auto [b, i] = rows[static_cast<size_t>(task / Hq)];
+    const int32_t h = static_cast<int32_t>(task % Hq);
+    const int32_t qo_len = s.qo_lens[b], kv_len = s.kv_lens[b];
+    const int64_t offset = o.rope && o.rope_offsets ? c.pos_offset[b] : 0;
+    const int64_t row = c.qo_indptr[b] + i;
+    const int64_t qpos = kv_len - qo_len + i;
+    const int32_t kh = h / group;
+    std::vector<Real> q(dqk), k(dqk);
+    for (int32_t d = 0; d < dqk; ++d) q[d] = c.q_vals[(row * Hq + h) * dqk + d];
+    if (o.rope) rotate(q, s, qpos + offset);
+    // Tensor-core kernels hold the rotated rows in the 16-bit operand type; so does the same-precision run.
+    const bool round_rotated = o.rope && round_output && s.q_dtype != DType::kFloat32;
+    if (round_rotated)
+      for (Real& x : q) x = Real(round_to(s.q_dtype, float(x)));
+    std::vector<Real> logits(kv_len, kNegInf);
+    for (int32_t j = 0; j < kv_len; ++j) {
+      bool allowed = true;
+      if (o.causal && j > qpos) allowed = false;
+      if (o.window_left >= 0 && j < qpos - o.window_left) allowed = false;
+      if (o.window_right >= 0 && j > qpos + o.window_right) allowed = false;
+      if (o.custom_mask) {
+        const int64_t bit = static_cast<int64_t>(i) * kv_len + j;
+        if (!((c.mask_bits[c.mask_indptr[b] + bit / 8] >> (bit % 8)) & 1)) allowed = false;
       }
+      if (!allowed) continue;
+      for (int32_t d = 0; d < dqk; ++d)
+        k[d] = Real(c.k_vals[b][(static_cast<size_t>(j) * Hk + kh) * dqk + d]) * Real(s.k_scale);
+      if (o.rope) rotate(k, s, j + offset);
+      if (round_rotated)
+        for (Real& x : k) x = Real(round_to(s.q_dtype, float(x)));
+      Real dot = 0;
+      for (int32_t d = 0; d < dqk; ++d) dot += q[d] * k[d];
+      Real x = sm_scale * dot;
+      if (o.soft_cap > 0) x = Real(o.soft_cap) * std::tanh(x / Real(o.soft_cap));
+      if (o.alibi) x += Real(c.alibi[h]) * Real(j - qpos);
+      logits[j] = x;
+    }
+    Real m = o.sinks ? Real(c.sinks[h]) : kNegInf;
+    for (Real x : logits) m = std::max(m, x);
+    double* out = &r.o[(row * Hq + h) * dvo];
+    if (m == kNegInf) {  // nothing to attend and no sink: the empty state
+      for (int32_t d = 0; d < dvo; ++d) out[d] = 0;
+      r.lse[row * Hq + h] = -std::numeric_limits<double>::infinity();
+      return;
+    }
+    Real den = o.sinks ? std::exp(Real(c.sinks[h]) - m) : Real(0);
+    std::vector<Real> acc(dvo, 0);
+    for (int32_t j = 0; j < kv_len; ++j) {
+      if (logits[j] == kNegInf) continue;
+      const Real p = std::exp(logits[j] - m);
+      den += p;
+      // A same-precision computation multiplies V by probabilities held in the 16-bit input type (as
+      // tensor-core kernels do); the denominator keeps the unrounded sum.
+      const Real pv = round_output && s.q_dtype != DType::kFloat32 ? Real(round_to(s.q_dtype, float(p))) : p;
+      for (int32_t d = 0; d < dvo; ++d)
+        acc[d] += pv * Real(c.v_vals[b][(static_cast<size_t>(j) * Hk + kh) * dvo + d]) * Real(s.v_scale);
+    }
+    for (int32_t d = 0; d < dvo; ++d) {
+      Real v = acc[d] / den;
+      if (round_output) v = Real(round_to(s.o_dtype, static_cast<float>(v)));
+      out[d] = static_cast<double>(v);
+    }
+    const Real lse = (m + std::log(den)) / std::log(Real(2));
+    r.lse[row * Hq + h] = static_cast<double>(round_output ? Real(static_cast<float>(lse)) : lse);
   });
   return r;
 }

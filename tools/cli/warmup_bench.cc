@@ -70,8 +70,9 @@ int run_warmup_bench(const WarmupCommandOptions& o) {
   json["commit"] = git_commit(), json["arch"] = arch, json["threads"] = threads;
   json["device"] = gpus.empty() ? "none" : gpus[0].name;
   json["nvrtc_own_cache"] = "off (CUDA_CACHE_DISABLE=1)";
-  fmt::print("attnforge warmup --bench: {}\nNVRTC {}.{} (its own compile cache off), arch {}, {} threads, device {}\n\n", build_info(),
-             jit::nvrtc_version().major, jit::nvrtc_version().minor, arch, threads,
+  fmt::print("attnforge warmup --bench: {}\nNVRTC {}.{} (its own compile cache off), arch {}, {} threads, "
+             "device {}\n\n",
+             build_info(), jit::nvrtc_version().major, jit::nvrtc_version().minor, arch, threads,
              gpus.empty() ? "none (compile figures only)" : gpus[0].name);
 
   // 1. Cold compile of one decode and one prefill specialization (head_dim 128, bf16, the default tiles, no RoPE):

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <future>
+#include <utility>
 #include <vector>
 
 #include "backends/cuda/cuda_check.h"
@@ -111,12 +112,12 @@ int JitKernels::ctas_per_sm(const AttentionShape& shape, PlanKind kind) {
   if (kind != PlanKind::kPrefill) return kernels_for(kind, shape, false).ctas_per_sm;
   // The other prefill kernels (with RoPE, with the short row tile) compile on other threads meanwhile (the kernel
   // cache lets lookups of different keys run at once); their failures are reported like the plain kernel's.
+  std::vector<std::pair<int32_t, bool>> tiles = {{0, true}};  // (rows, RoPE) besides the plain kernel's (0, false)
+  if (prefill_rows(shape.head_dim_qk) != kPrefillShortRows)
+    tiles.insert(tiles.end(), {{kPrefillShortRows, false}, {kPrefillShortRows, true}});
   std::vector<std::future<void>> others;
-  for (int32_t rows : {0, kPrefillShortRows})
-    for (bool rope : {false, true})
-      if (rows != 0 || rope)
-        if (rows == 0 || prefill_rows(shape.head_dim_qk) != kPrefillShortRows)
-          others.push_back(std::async(std::launch::async, [&, rows, rope] { kernels_for(kind, shape, rope, rows); }));
+  for (const std::pair<int32_t, bool> t : tiles)
+    others.push_back(std::async(std::launch::async, [&, t] { kernels_for(kind, shape, t.second, t.first); }));
   const int n = kernels_for(kind, shape, false).ctas_per_sm;
   for (std::future<void>& f : others) f.get();
   return n;

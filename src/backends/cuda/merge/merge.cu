@@ -35,14 +35,13 @@ bool merge_programmatic_launch() {
       throw Error(ErrorKind::kInvalidArgument, "ATTNFORGE_MERGE_PDL=" + std::string(v) + ": expected 0 or 1");
     return !(v && std::string(v) == "0");
   }();
-  static PerDevice major;  // 1 + the compute capability's major version (0 means not yet asked)
-  const int m = major.get([] {
-    int device = 0, value = 0;
+  static PerDevice hopper;  // 2: compute capability 9.0 or newer, 1: older (PerDevice keeps 0 for "not yet asked")
+  return allowed && hopper.get([] {
+    int device = 0, major = 0;
     ATTNFORGE_CUDA_CHECK(cudaGetDevice(&device));
-    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, device));
-    return value + 1;
-  });
-  return allowed && m - 1 >= 9;
+    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major >= 9 ? 2 : 1;
+  }) == 2;
 }
 
 void run_merge(const AttentionParams& p, cudaStream_t stream) {

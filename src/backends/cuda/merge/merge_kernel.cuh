@@ -22,7 +22,8 @@ constexpr int kMergeMaxDim = 256;  // head_dim_vo of every kernel family that sp
 // per eight of them plus two block barriers (8.9 us for 49 states under ncu, H200).
 template <int kPairs>
 __device__ __forceinline__ void merge_row(const AttentionParams& p, const PlanView& plan, const MergeItem& mi,
-                                          int tok, int first_row, float* s_m, float* s_l, float2 (*s_o)[kMergeMaxDim / 2]) {
+                                          int tok, int first_row, float* s_m, float* s_l,
+                                          float2 (*s_o)[kMergeMaxDim / 2]) {
   // States whose slices a lane loads at once: 32 registers of O in flight (64 made the kernel 143 registers, three
   // CTAs per SM, and merges of many rows slower than the block-wide pass: 120 us against 36 us, H200, 15e76a7).
   constexpr int kBatch = 16 / kPairs;
@@ -101,9 +102,10 @@ __device__ __forceinline__ void merge_row(const AttentionParams& p, const PlanVi
 }
 
 // Combines the partial states of each merge item: one CTA per (merge, query head, row block), grid-stride over the
-// plan's merges and over the merge's query rows by gridDim.z (merge_row). Launched as a programmatic dependent of the attention kernel where the GPU
-// has it (sm_90+): the plan's metadata (uploaded before the attention kernel) is read first, then
-// griddepcontrol.wait holds the CTA until the attention grid has finished and its partial states are visible.
+// plan's merges and over the merge's query rows by gridDim.z (merge_row). Launched as a programmatic dependent of
+// the attention kernel where the GPU has it (sm_90+): the plan's metadata (uploaded before the attention kernel) is
+// read first, then griddepcontrol.wait holds the CTA until the attention grid has finished and its partial states
+// are visible.
 // At most 102 registers: five CTAs per SM or more (at six, ptxas spilled 32 bytes).
 __global__ void __launch_bounds__(kMergeThreads, 5) merge_kernel(const AttentionParams p) {
   __shared__ float s_m[kMergeWarps], s_l[kMergeWarps];
