@@ -186,6 +186,11 @@ std::string plan_violation(const AttentionPlan& p, const Batch& b, bool causal) 
     for (int32_t q = 0; q < b.qo_lens[r]; ++q)
       if (covered[r][q] != 1) return fmt::format("request {} row {} is covered by {} tiles", r, q, covered[r][q]);
 
+  int32_t max_states = 0;
+  for (const MergeItem& m : p.merges) max_states = std::max(max_states, m.num_items);
+  if (p.max_merge_states != max_states)
+    return fmt::format("max_merge_states {}, but the largest merge combines {} states", p.max_merge_states, max_states);
+
   // Partial rows: disjoint, inside [0, partial_rows), and all of them used (the workspace is exact).
   std::vector<int32_t> rows(static_cast<size_t>(p.partial_rows), 0);
   for (int64_t i = 0; i < num_items; ++i) {

@@ -209,6 +209,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     }
     plan.kv_chunk = std::max(plan.kv_chunk, piece);  // the longest piece, which rounding down can stretch
     plan.merges.push_back({t.request, t.qo_begin, t.qo_end, static_cast<int32_t>(plan.items.size()), pieces});
+    plan.max_merge_states = std::max(plan.max_merge_states, pieces);
     for (int32_t p = 0; p < pieces; ++p) {
       const int32_t k0 = p * piece, k1 = std::min(t.kv_end, k0 + piece);
       plan.items.push_back({t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows)});

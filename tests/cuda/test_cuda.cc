@@ -472,19 +472,19 @@ TEST(CudaDeterminism, SameBitsWhateverTheBatch) {
 }
 
 // A graph captured once replays correctly after a re-plan for longer sequences of the same batch size
-// (decode; prefill with the same query lengths over longer prefixes).
-void capture_replan_replay(PlanKind kind) {
+// (decode; prefill with the same query lengths over longer prefixes). `long_lens` (default: several long requests).
+void capture_replan_replay(PlanKind kind, std::vector<int32_t> long_lens = {3000, 17, 800, 4096, 1, 2500}) {
   CaseSpec s;
   s.kind = kind;
   s.format = KVFormat::kBlockTable;
   s.num_qo_heads = 32, s.num_kv_heads = 8, s.head_dim_qk = 128;
   s.qo_lens = kind == PlanKind::kDecode ? std::vector<int32_t>(6, 1) : std::vector<int32_t>{50, 3, 64, 20, 1, 77};
   s.options.causal = kind == PlanKind::kPrefill;
-  s.kv_lens = {3000, 17, 800, 4096, 1, 2500};
+  s.kv_lens = long_lens;
   s.options.sinks = true;
   s.seed = 11;
   Case full = make_case(s);  // the long lengths; the short batch is a prefix of every request
-  const std::vector<int32_t> long_lens = s.kv_lens, short_lens = {100, 5, 700, 33, 1, 1200};
+  const std::vector<int32_t> short_lens = {100, 5, 700, 33, 1, 1200};
   DeviceCase dev(full);
   int32_t* seq = static_cast<int32_t*>(full.seq_lens.data());
 
@@ -532,6 +532,9 @@ void capture_replan_replay(PlanKind kind) {
 
   AttentionPlan longer = plan_for(long_lens);
   ASSERT_LE(longer.workspace_bytes, ws_bytes) << "a re-plan of the same batch size must fit the captured workspace";
+  if (long_lens[0] > 20000)  // the captured merge launch (a warp per row) serves a re-plan whose merges want four
+    ASSERT_TRUE(plan.max_merge_states <= 32 && longer.max_merge_states > 32)
+        << "the plans do not straddle the merge shapes: " << plan.max_merge_states << ", " << longer.max_merge_states;
   ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(stream));  // the staging buffer is free again
   upload_plan(longer, w, staging, longer.staging_bytes, stream);
   replay_and_check(long_lens, "replay after re-plan");
@@ -545,6 +548,9 @@ void capture_replan_replay(PlanKind kind) {
 
 TEST(CudaGraph, CaptureReplanReplayDecode) { capture_replan_replay(PlanKind::kDecode); }
 TEST(CudaGraph, CaptureReplanReplayPrefill) { capture_replan_replay(PlanKind::kPrefill); }
+TEST(CudaGraph, CaptureReplanReplayAcrossMergeShapes) {
+  capture_replan_replay(PlanKind::kDecode, {32000, 17, 800, 40, 1, 25});
+}
 
 // Runs every case with the nvcc-compiled and with the NVRTC-compiled kernels (plan and run each time): both match
 // the float64 reference, and their outputs and LSE are the same bits. Kernels compile into a temporary cache; the
