@@ -348,6 +348,43 @@ TEST(CudaPrefillShortTiles, TileRowsOption) {
   }
 }
 
+// The K/V tile loader keeps page and token strides as unsigned 32-bit byte counts: a stride of 2 GiB or a negative
+// one is refused before any launch, naming the stride and the range.
+TEST(CudaErrors, KVStridesOutsideTheLoaderRange) {
+  CaseSpec s;
+  s.kind = PlanKind::kDecode;
+  s.num_kv_heads = 2, s.num_qo_heads = 8, s.head_dim_qk = 128, s.page_size = 16;
+  s.qo_lens = {1, 1}, s.kv_lens = {40, 70};
+  Case c = make_case(s);
+  DeviceCase dev(c);
+  plan_and_run_cuda(c, dev);  // the case itself runs
+  BatchPlanArgs args = c.plan_args();
+  args.device = Device::cuda(0);
+  AttentionPlan plan = plan_batch_decode(args);
+  void* ws = nullptr;
+  void* staging = nullptr;
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&ws, std::max<size_t>(256, plan.workspace_bytes)));
+  ASSERT_EQ(cudaSuccess, cudaMallocHost(&staging, std::max<size_t>(1, plan.staging_bytes)));
+  const Workspace w{ws, plan.workspace_bytes};
+  upload_plan(plan, w, staging, plan.staging_bytes, nullptr);
+  for (int64_t stride : {int64_t{1} << 30, int64_t{-16} * 8 * 128}) {  // 2 GiB of bf16; minus one page
+    PagedKVCache bad = dev.paged;
+    bad.k.strides[0] = stride;
+    try {
+      run(plan, dev.q, bad, Outputs{dev.out, dev.lse}, dev.options, w, nullptr);
+      ADD_FAILURE() << "K page stride " << stride << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kUnsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find("kv.k (page): stride " + std::to_string(stride)), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("from 0 to 2 GiB - 1 bytes"), std::string::npos) << e.what();
+    }
+  }
+  ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+  cudaFree(ws);
+  cudaFreeHost(staging);
+}
+
 // Random batches restricted to what the CUDA backend runs; a failure prints the reproducing command.
 TEST(CudaFuzz, RandomBatches) {
   const uint64_t first = std::getenv("ATTNFORGE_FUZZ_SEED") ? std::strtoull(std::getenv("ATTNFORGE_FUZZ_SEED"), nullptr, 10) : 1;

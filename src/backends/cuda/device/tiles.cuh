@@ -204,21 +204,42 @@ struct KVTileLoader {
   }
 
   // Copies tile t of K and V into sK / sV (one stage each) from the pages fetched for it.
+  // Register-held page ids (the decode kernel): the thread's chunk of the KV head is found once per tile and a row's
+  // address is two unsigned 32 x 32 -> 64-bit multiply-adds on byte strides (run() takes K/V page and token strides
+  // from 0 to 2 GiB - 1 bytes), one IMAD.WIDE.U32 each; the 64-bit stride products per row were about 60
+  // instructions of every row's copy (sm_90a SASS, 3354b9e).
+  // Shared slots (the prefill kernel) keep the 64-bit products: there the narrow form raised ptxas's spills at
+  // head_dim 128 from 36 to 60 bytes.
   __device__ __forceinline__ void load(int t, void* sK, void* sV) const {
     const int chunk = threadIdx.x % kChunks;
+    const uint8_t* k_base = static_cast<const uint8_t*>(kv.k) + kv_head * kv.k_stride_head * kElemBytes + chunk * 16;
+    const uint8_t* v_base = static_cast<const uint8_t*>(kv.v) + kv_head * kv.v_stride_head * kElemBytes + chunk * 16;
+    const uint32_t k_page_bytes = static_cast<uint32_t>(kv.k_stride_page * kElemBytes);
+    const uint32_t k_token_bytes = static_cast<uint32_t>(kv.k_stride_token * kElemBytes);
+    const uint32_t v_page_bytes = static_cast<uint32_t>(kv.v_stride_page * kElemBytes);
+    const uint32_t v_token_bytes = static_cast<uint32_t>(kv.v_stride_token * kElemBytes);
     #pragma unroll
     for (int k = 0; k < kLoadRows; ++k) {
       const int r = row(k);
       const int token = first + t * kTileTokens + r;
       const bool valid = token < last;
-      const int64_t slot =
+      const int32_t slot =
           kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
-      const uint8_t* ksrc = static_cast<const uint8_t*>(kv.k);
+      const uint8_t* ksrc = static_cast<const uint8_t*>(kv.k);  // an invalid row copies nothing from a valid address
       const uint8_t* vsrc = static_cast<const uint8_t*>(kv.v);
       if (valid) {
-        const int64_t page = kPageSlots > 0 ? slots[(t % kPageSlots) * kTileTokens + r] : pages[k];
-        ksrc += (page * kv.k_stride_page + slot * kv.k_stride_token + kv_head * kv.k_stride_head) * kElemBytes + chunk * 16;
-        vsrc += (page * kv.v_stride_page + slot * kv.v_stride_token + kv_head * kv.v_stride_head) * kElemBytes + chunk * 16;
+        const int32_t page = kPageSlots > 0 ? slots[(t % kPageSlots) * kTileTokens + r] : pages[k];
+        if constexpr (kPageSlots == 0) {
+          const uint32_t page_u = static_cast<uint32_t>(page), slot_u = static_cast<uint32_t>(slot);  // both >= 0
+          ksrc = k_base + (static_cast<uint64_t>(page_u) * k_page_bytes + static_cast<uint64_t>(slot_u) * k_token_bytes);
+          vsrc = v_base + (static_cast<uint64_t>(page_u) * v_page_bytes + static_cast<uint64_t>(slot_u) * v_token_bytes);
+        } else {
+          const int64_t page64 = page, slot64 = slot;
+          ksrc += (page64 * kv.k_stride_page + slot64 * kv.k_stride_token + kv_head * kv.k_stride_head) * kElemBytes +
+                  chunk * 16;
+          vsrc += (page64 * kv.v_stride_page + slot64 * kv.v_stride_token + kv_head * kv.v_stride_head) * kElemBytes +
+                  chunk * 16;
+        }
       }
       const int dst = swizzle_bytes<kRowBytes>(r, chunk);
       cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, valid ? 16 : 0);
