@@ -171,7 +171,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   const KVParams& kv = p.kv;
   const VariantParams& vp = p.variant;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int kv_head = blockIdx.y;
+  // CTAs start in launch order (blockIdx.x fastest): the linear index takes a work item's KV heads together, so the
+  // plan's longest-first item order is the order its CTAs start in, not one head's items after another's.
+  const int linear = blockIdx.x + gridDim.x * blockIdx.y;  // gridDim.y is the KV head count
+  const int kv_head = linear % p.num_kv_heads;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int row0 = blockIdx.z * Tr::kRows;
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
@@ -180,7 +183,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   const bool rope = !kFp8 && !kCustom && vp.rope.enabled != 0;  // a custom variant does its own RoPE
   if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
 
-  for (int item_index = blockIdx.x; item_index < num_items; item_index += gridDim.x) {
+  for (int item_index = linear / p.num_kv_heads; item_index < num_items; item_index += gridDim.x) {
     const WorkItem it = plan.items[item_index];
     const int b = it.request;
     const int rows_total = (it.qo_end - it.qo_begin) * group;
