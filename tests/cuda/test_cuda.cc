@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <barrier>
 #include <cstdlib>
 #include <cstring>
@@ -192,6 +193,43 @@ TEST(CudaFp8, ServingShapes) {
   spec4.options.causal = true;
   specs.push_back(spec4);
   run_sampled(specs, 91);
+}
+
+// The fp8 kernels multiply in fp16: bf16 query rows beyond fp16's range are scaled into it by a power of two per
+// row, which the logits take back (load_query_rows_permuted). Half the rows (token + head even) hold values 2^17
+// times the usual, so every CTA (one token x the 4 heads of a group) mixes scaled and ordinary rows; sm_scale is
+// the default over 2^17, so the big rows' logits are the usual ones (a lost row scale, 2^3 or 2^4 here, would flatten
+// their softmax and fail the check) and the ordinary rows' are near 0.
+TEST(CudaFp8, QueryRowsBeyondFp16Range) {
+  for (DType kv : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+    CaseSpec s = serving_decode(6, 1500, 16);
+    s.kv_dtype = kv;
+    s.k_scale = 0.5f, s.v_scale = 0.25f;
+    s.seed = 4242 + static_cast<int>(kv);
+    Case c = make_case(s);
+    ASSERT_EQ(c.q_view.dtype, DType::kBFloat16);
+    uint16_t* q = static_cast<uint16_t*>(c.q_view.data);
+    int scaled = 0;
+    for (int64_t tok = 0; tok < 6; ++tok)
+      for (int64_t h = 0; h < s.num_qo_heads; ++h) {
+        if ((tok + h) % 2 != 0) continue;
+        ++scaled;
+        for (int64_t d = 0; d < s.head_dim_qk; ++d) {
+          uint16_t& bits = q[tok * c.q_view.strides[0] + h * c.q_view.strides[1] + d];
+          const uint32_t e = bits & 0x7f80u;
+          ASSERT_TRUE(e != 0 && e + (17u << 7) < 0x7f80u) << "a query value too small or too large to move";
+          bits = static_cast<uint16_t>(bits + (17u << 7));  // x 2^17, exact: the exponent moves
+          c.q_vals[(tok * s.num_qo_heads + h) * s.head_dim_qk + d] *= 131072.f;
+        }
+      }
+    ASSERT_EQ(scaled, 6 * 32 / 2);
+    c.options.sm_scale = 1.f / std::sqrt(128.f) / 131072.f;
+    c.spec.options.sm_scale = c.options.sm_scale;
+    DeviceCase dev(c);
+    const AttentionPlan plan = plan_and_run_cuda(c, dev);
+    const Verdict v = check_case(c, {});
+    EXPECT_TRUE(v.ok) << v.message << "\n  case: " << s.describe() << "\n  plan: " << plan.describe();
+  }
 }
 
 // Small fp8 batches through every part of the fp8 kernel (split KV with merges over page size 3 and an empty
