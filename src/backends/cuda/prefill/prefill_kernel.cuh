@@ -132,10 +132,7 @@ __device__ __forceinline__ void prefill_body(const AttentionParams& p, const Var
   const KVParams& kv = p.kv;
   const VariantParams& vp = p.variant;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // CTAs start in launch order (blockIdx.x fastest): the linear index takes a work item's KV heads together, so the
-  // plan's longest-first item order (planner: order_longest_first) is the order its CTAs start in.
-  const int linear = blockIdx.x + gridDim.x * blockIdx.y;  // gridDim.y is the KV head count
-  const int kv_head = linear % p.num_kv_heads;
+  const int kv_head = blockIdx.y;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int row0 = blockIdx.z * Tr::kRows;
   const int warp_row0 = warp * Tr::kWarpRows;
@@ -145,10 +142,10 @@ __device__ __forceinline__ void prefill_body(const AttentionParams& p, const Var
   constexpr bool rope = Tr::kRope;
   if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
 
-  // Items in plan order, heaviest first (under causal masking a request's last query tiles read the most KV): the
-  // light ones fill the tail of the last wave.
-  for (int index = linear / p.num_kv_heads; index < num_items; index += gridDim.x) {
-    const WorkItem it = plan.items[index];
+  // Items in reverse plan order: each request's last query tiles, the heaviest under causal masking, start
+  // first, and the light ones fill the tail of the wave.
+  for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
+    const WorkItem it = plan.items[num_items - 1 - index];
     const int b = it.request;
     const int rows_total = (it.qo_end - it.qo_begin) * group;
     if (row0 >= rows_total) continue;
