@@ -15,11 +15,16 @@ constexpr int kMergeWarps = kMergeThreads / 32;
 constexpr int kMergeMaxDim = 256;  // head_dim_vo of every kernel family that splits KV
 
 // A merge has two shapes. Few states (speculative verification, small batches split a little: 2-3 states, many
-// rows): a warp per (row, head), four heads per CTA, no shared memory and no barrier. Many states (one long request
-// split over the SMs: dozens of states, few rows): the four warps of a CTA share a row. The host picks one per
-// launch from the plan's largest merge (merge_dims, merge_one_warp); both are correct for any plan, so a graph
-// captured with one replays every re-plan.
-__host__ __device__ __forceinline__ bool merge_one_warp(const AttentionParams& p) { return p.max_merge_states <= 32; }
+// rows): a warp per (row, head), four heads per CTA, no shared memory and no barrier. More states (one request
+// split over the SMs: 16 to dozens of states, few rows): the four warps of a CTA share a row. The host picks one
+// per launch from the plan's largest merge (merge_dims, merge_one_warp); both are correct for any plan, so a graph
+// captured with one replays every re-plan. The bound, 8 states (one batch of O loads per lane at head_dim 128), is
+// measured (ncu, H200, 3f6c00c): verify 64x8+4096 (2 states) 66.9 -> 22.7 us and 16x2048 (3) 6.21 -> 6.02 us with a
+// warp per row, but decode 1x2048 (16 states, one row) 6.08 -> 8.06 us.
+constexpr int kMergeWarpMaxStates = 8;
+__host__ __device__ __forceinline__ bool merge_one_warp(const AttentionParams& p) {
+  return p.max_merge_states <= kMergeWarpMaxStates;
+}
 
 // A warp's running state over some of a row's partial states: the maximum LSE seen (log2 units), the sum of its
 // lanes' weights (per lane until reduced), and float2 slices of O (dims 2 lane + 64 j: 256 contiguous bytes per
