@@ -725,7 +725,18 @@ TEST(JitLaunch, OneConfigurationFromTheTraits) {
   EXPECT_EQ(c.attention.smem_bytes, static_cast<unsigned>(smem(128, 3)));
   EXPECT_TRUE(c.run_merge);
   EXPECT_EQ(c.merge.grid.x, 30u);
-  EXPECT_EQ(c.merge.grid.y, 32u);
+  // The merge's launch shape (merge_kernel.cuh): a warp per (row, head), four heads per CTA, for merges of at most
+  // kMergeWarpMaxStates (8) states; four warps per row, a head per CTA, above. Rows of a merge: grid z, up to 8.
+  EXPECT_EQ(c.merge.grid.y, 8u) << "a plan without merges takes the warp shape";
+  EXPECT_EQ(c.merge.grid.z, 1u);
+  p.max_merge_states = 8, p.qo_tile = 5;
+  EXPECT_EQ(cuda::decode_launch_config(p, 3).merge.grid.y, 8u);
+  EXPECT_EQ(cuda::decode_launch_config(p, 3).merge.grid.z, 5u);
+  p.max_merge_states = 9, p.qo_tile = 8, p.num_qo_heads = 30, p.num_kv_heads = 6;
+  EXPECT_EQ(cuda::decode_launch_config(p, 3).merge.grid.y, 30u);
+  EXPECT_EQ(cuda::decode_launch_config(p, 3).merge.grid.z, 8u);
+  p.max_merge_states = 2;
+  EXPECT_EQ(cuda::decode_launch_config(p, 3).merge.grid.y, 8u) << "30 heads: 8 CTAs of four, the last with two";
 }
 
 // The prefill kernel: 4 warps; Q rows, then the K and V stages (3 stages of one softmax step up to head_dim 128, 2
@@ -754,6 +765,7 @@ TEST(JitLaunch, PrefillConfigurationFromTheTraits) {
   AttentionParams p{};
   p.num_qo_heads = 32, p.num_kv_heads = 8;  // groups of 4 query heads
   p.item_capacity = 300, p.merge_capacity = 12;
+  p.max_merge_states = 40;  // the merge's four-warp shape (more than 8 states): a head per CTA
   // Row blocks cover the longest query tile any re-plan of the shape can have (the head dim's tile), so a graph
   // captured with short tiles replays long ones; the short tile is run()'s pick when the plan's tiles fit it.
   struct Blocks {

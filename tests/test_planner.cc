@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -186,6 +187,29 @@ std::string plan_violation(const AttentionPlan& p, const Batch& b, bool causal) 
     for (int32_t q = 0; q < b.qo_lens[r]; ++q)
       if (covered[r][q] != 1) return fmt::format("request {} row {} is covered by {} tiles", r, q, covered[r][q]);
 
+  // Decode plans, longest work first: units (an unsplit item, or a merge's consecutive pieces ranked by its longest
+  // piece) in non-increasing order of query rows x KV. (Prefill plans keep request order; see order_longest_first.)
+  if (p.kind == PlanKind::kDecode) {
+    std::vector<int32_t> merge_at(p.items.size(), -1);
+    for (const MergeItem& m : p.merges) merge_at[m.first_item] = m.num_items;
+    int64_t previous = std::numeric_limits<int64_t>::max();
+    for (int64_t i = 0; i < num_items;) {
+      const int32_t count = merge_at[i] > 0 ? merge_at[i] : 1;
+      int64_t work = 0;
+      for (int64_t k = i; k < i + count; ++k)
+        work = std::max<int64_t>(work, static_cast<int64_t>(p.items[k].qo_end - p.items[k].qo_begin) *
+                                           (p.items[k].kv_end - p.items[k].kv_begin));
+      if (work > previous) return fmt::format("item {}: work {} after a unit of {} (not longest first)", i, work, previous);
+      previous = work;
+      i += count;
+    }
+  }
+
+  int32_t max_states = 0;
+  for (const MergeItem& m : p.merges) max_states = std::max(max_states, m.num_items);
+  if (p.max_merge_states != max_states)
+    return fmt::format("max_merge_states {}, but the largest merge combines {} states", p.max_merge_states, max_states);
+
   // Partial rows: disjoint, inside [0, partial_rows), and all of them used (the workspace is exact).
   std::vector<int32_t> rows(static_cast<size_t>(p.partial_rows), 0);
   for (int64_t i = 0; i < num_items; ++i) {
@@ -273,6 +297,18 @@ TEST(PlanInvariants, ViolationsAreDetected) {
   AttentionPlan lost_tile = good;
   lost_tile.items.pop_back();
   EXPECT_NE(plan_violation(lost_tile, bt, false), "");
+  // Longest first (decode plans): request 0's pieces (512 tokens each) come before request 1's unsplit item (100
+  // tokens); moving that item to the front breaks the order.
+  Batch bd(KVFormat::kPagedCSR, 16, {1, 1}, {4000, 100});
+  const AttentionPlan decode = plan_batch_decode(bd.args(shape, o));
+  ASSERT_EQ(plan_violation(decode, bd, false), "");
+  ASSERT_FALSE(decode.merges.empty());
+  ASSERT_EQ(decode.items.back().request, 1);
+  AttentionPlan light_first = decode;
+  std::rotate(light_first.items.begin(), light_first.items.end() - 1, light_first.items.end());
+  for (MergeItem& m : light_first.merges) m.first_item += 1;
+  EXPECT_NE(plan_violation(light_first, bd, false).find("not longest first"), std::string::npos)
+      << plan_violation(light_first, bd, false);
   AttentionPlan big_ws = good;
   big_ws.workspace_bytes += 256;
   EXPECT_NE(plan_violation(big_ws, bt, false), "");

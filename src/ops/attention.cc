@@ -368,6 +368,7 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
   p.merge_capacity = plan.merge_capacity;
   p.qo_tile = plan.qo_tile;
   p.tile_rows = plan.tile_rows;
+  p.max_merge_states = plan.max_merge_states;
   PlanView& host_view = prepared.host_view;
   host_view = PlanView{};
   if (backend.plan_in_device_memory()) {

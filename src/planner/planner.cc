@@ -78,6 +78,46 @@ int64_t batch_of(const BatchPlanArgs& a) {
   fail_arg("kv_format: {}; expected one of {{paged-csr, block-table, ragged}}", static_cast<int>(a.kv_format));
 }
 
+// Longest work first: devices start items in plan order (a GPU launches an item's CTAs, one per KV head, in that
+// order; the CPU's pool takes tasks in it), so heavy items start first and light ones fill the tail of the last
+// wave, as in list scheduling by longest processing time. Decode plans only: the prefill kernel walks a request's
+// query tiles from its last (heaviest) one, one KV head at a time, and the sorted order with heads together cost
+// the ragged prefill case 6% on the H200 (189.7 -> 178.6 TFLOP/s at 548c3f2: tiles of one head share its K/V in L2). Work is the item's query rows x the KV it reads (causal
+// tiles: up to their diagonal). A merge's pieces move together and stay consecutive, ranked by their longest
+// piece; partial rows keep their (disjoint) assignment. Ties keep request order. (A model of the decode bench's
+// Zipf batch, 64 requests totalling 256K tokens in 396 CTA slots: 7.9% slower than uniform lengths in request
+// order, 3.5% sorted; measured on the H200 at 3354b9e: 11.2%.)
+void order_longest_first(AttentionPlan& plan) {
+  const int32_t n = static_cast<int32_t>(plan.items.size());
+  std::vector<int32_t> merge_of(static_cast<size_t>(n), -1);
+  for (size_t m = 0; m < plan.merges.size(); ++m)
+    for (int32_t k = 0; k < plan.merges[m].num_items; ++k) merge_of[plan.merges[m].first_item + k] = static_cast<int32_t>(m);
+  struct Unit {
+    int64_t work;
+    int32_t first, count, merge;
+  };
+  std::vector<Unit> units;
+  auto work_of = [&](const WorkItem& it) {
+    return static_cast<int64_t>(it.qo_end - it.qo_begin) * (it.kv_end - it.kv_begin);
+  };
+  for (int32_t i = 0; i < n;) {
+    const int32_t m = merge_of[i];
+    const int32_t count = m >= 0 ? plan.merges[m].num_items : 1;
+    int64_t work = 0;
+    for (int32_t k = i; k < i + count; ++k) work = std::max(work, work_of(plan.items[k]));
+    units.push_back({work, i, count, m});
+    i += count;
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit& x, const Unit& y) { return x.work > y.work; });
+  std::vector<WorkItem> items;
+  items.reserve(static_cast<size_t>(n));
+  for (const Unit& u : units) {
+    if (u.merge >= 0) plan.merges[u.merge].first_item = static_cast<int32_t>(items.size());
+    items.insert(items.end(), plan.items.begin() + u.first, plan.items.begin() + u.first + u.count);
+  }
+  plan.items = std::move(items);
+}
+
 AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
   AttentionShape shape = detail::normalized(a.shape);
   AttentionConfig config;
@@ -209,12 +249,15 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     }
     plan.kv_chunk = std::max(plan.kv_chunk, piece);  // the longest piece, which rounding down can stretch
     plan.merges.push_back({t.request, t.qo_begin, t.qo_end, static_cast<int32_t>(plan.items.size()), pieces});
+    plan.max_merge_states = std::max(plan.max_merge_states, pieces);
     for (int32_t p = 0; p < pieces; ++p) {
       const int32_t k0 = p * piece, k1 = std::min(t.kv_end, k0 + piece);
       plan.items.push_back({t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows)});
       plan.partial_rows += t.qo_end - t.qo_begin;
     }
   }
+
+  if (kind == PlanKind::kDecode) order_longest_first(plan);
 
   plan.fingerprint = detail::batch_fingerprint(plan.kv_format, plan.page_size, plan.kv_len);
   const int32_t num_items = static_cast<int32_t>(plan.items.size());

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <barrier>
 #include <cstdlib>
 #include <cstring>
@@ -194,6 +195,43 @@ TEST(CudaFp8, ServingShapes) {
   run_sampled(specs, 91);
 }
 
+// The fp8 kernels multiply in fp16: bf16 query rows beyond fp16's range are scaled into it by a power of two per
+// row, which the logits take back (load_query_rows_permuted). Half the rows (token + head even) hold values 2^17
+// times the usual, so every CTA (one token x the 4 heads of a group) mixes scaled and ordinary rows; sm_scale is
+// the default over 2^17, so the big rows' logits are the usual ones (a lost row scale, 2^3 or 2^4 here, would flatten
+// their softmax and fail the check) and the ordinary rows' are near 0.
+TEST(CudaFp8, QueryRowsBeyondFp16Range) {
+  for (DType kv : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+    CaseSpec s = serving_decode(6, 1500, 16);
+    s.kv_dtype = kv;
+    s.k_scale = 0.5f, s.v_scale = 0.25f;
+    s.seed = 4242 + static_cast<int>(kv);
+    Case c = make_case(s);
+    ASSERT_EQ(c.q_view.dtype, DType::kBFloat16);
+    uint16_t* q = static_cast<uint16_t*>(c.q_view.data);
+    int scaled = 0;
+    for (int64_t tok = 0; tok < 6; ++tok)
+      for (int64_t h = 0; h < s.num_qo_heads; ++h) {
+        if ((tok + h) % 2 != 0) continue;
+        ++scaled;
+        for (int64_t d = 0; d < s.head_dim_qk; ++d) {
+          uint16_t& bits = q[tok * c.q_view.strides[0] + h * c.q_view.strides[1] + d];
+          const uint32_t e = bits & 0x7f80u;
+          ASSERT_TRUE(e != 0 && e + (17u << 7) < 0x7f80u) << "a query value too small or too large to move";
+          bits = static_cast<uint16_t>(bits + (17u << 7));  // x 2^17, exact: the exponent moves
+          c.q_vals[(tok * s.num_qo_heads + h) * s.head_dim_qk + d] *= 131072.f;
+        }
+      }
+    ASSERT_EQ(scaled, 6 * 32 / 2);
+    c.options.sm_scale = 1.f / std::sqrt(128.f) / 131072.f;
+    c.spec.options.sm_scale = c.options.sm_scale;
+    DeviceCase dev(c);
+    const AttentionPlan plan = plan_and_run_cuda(c, dev);
+    const Verdict v = check_case(c, {});
+    EXPECT_TRUE(v.ok) << v.message << "\n  case: " << s.describe() << "\n  plan: " << plan.describe();
+  }
+}
+
 // Small fp8 batches through every part of the fp8 kernel (split KV with merges over page size 3 and an empty
 // request; ragged e5m2 at head_dim 64, whose 64-byte rows take the other swizzle); compute-sanitizer runs these.
 TEST(CudaFp8Small, SplitPagedAndRagged) {
@@ -348,6 +386,55 @@ TEST(CudaPrefillShortTiles, TileRowsOption) {
   }
 }
 
+// The K/V tile loader keeps page and token strides as unsigned 32-bit byte counts: a stride of 2 GiB is refused
+// before any launch, naming the stride and the range, and one of 2 GiB - 16 bytes runs. (Negative strides are the
+// front end's to refuse, for every backend.)
+TEST(CudaErrors, KVStridesOutsideTheLoaderRange) {
+  CaseSpec s;
+  s.kind = PlanKind::kDecode;
+  // One page in the pool: a page stride then moves no byte of K, so the aliasing check (which runs first and
+  // measures K's extent from its strides) cannot meet the output's memory whatever the stride.
+  s.num_kv_heads = 2, s.num_qo_heads = 8, s.head_dim_qk = 128, s.page_size = 128;
+  s.qo_lens = {1}, s.kv_lens = {70};
+  s.spare_pages = 0;
+  Case c = make_case(s);
+  DeviceCase dev(c);
+  plan_and_run_cuda(c, dev);  // the case itself runs
+  BatchPlanArgs args = c.plan_args();
+  args.device = Device::cuda(0);
+  AttentionPlan plan = plan_batch_decode(args);
+  void* ws = nullptr;
+  void* staging = nullptr;
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&ws, std::max<size_t>(256, plan.workspace_bytes)));
+  ASSERT_EQ(cudaSuccess, cudaMallocHost(&staging, std::max<size_t>(1, plan.staging_bytes)));
+  const Workspace w{ws, plan.workspace_bytes};
+  upload_plan(plan, w, staging, plan.staging_bytes, nullptr);
+  const int64_t stride = int64_t{1} << 30;  // 2 GiB of bf16
+  PagedKVCache bad = dev.paged;
+  bad.k.strides[0] = stride;
+  try {
+    run(plan, dev.q, bad, Outputs{dev.out, dev.lse}, dev.options, w, nullptr);
+    ADD_FAILURE() << "K page stride " << stride << " was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("kv.k (page): stride " + std::to_string(stride)), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("from 0 to 2 GiB - 1 bytes"), std::string::npos) << e.what();
+  }
+  // The largest stride the loader takes, on a pool of one page, gives the reference's result.
+  PagedKVCache widest = dev.paged;
+  widest.k.strides[0] = widest.v.strides[0] = stride - 8;  // 2 GiB - 16 bytes: rows stay 16-byte aligned
+  c.poison_outputs();
+  dev.upload_outputs(c);
+  run(plan, dev.q, widest, Outputs{dev.out, dev.lse}, dev.options, w, nullptr);
+  ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+  dev.download_outputs(c);
+  const Verdict v = check_case(c);
+  EXPECT_TRUE(v.ok) << v.message;
+  cudaFree(ws);
+  cudaFreeHost(staging);
+}
+
 // Random batches restricted to what the CUDA backend runs; a failure prints the reproducing command.
 TEST(CudaFuzz, RandomBatches) {
   const uint64_t first = std::getenv("ATTNFORGE_FUZZ_SEED") ? std::strtoull(std::getenv("ATTNFORGE_FUZZ_SEED"), nullptr, 10) : 1;
@@ -472,19 +559,21 @@ TEST(CudaDeterminism, SameBitsWhateverTheBatch) {
 }
 
 // A graph captured once replays correctly after a re-plan for longer sequences of the same batch size
-// (decode; prefill with the same query lengths over longer prefixes).
-void capture_replan_replay(PlanKind kind) {
+// (decode; prefill with the same query lengths over longer prefixes). `long_lens` (default: several long requests).
+void capture_replan_replay(PlanKind kind, std::vector<int32_t> long_lens = {3000, 17, 800, 4096, 1, 2500},
+                           std::vector<int32_t> short_lens = {100, 5, 700, 33, 1, 1200}) {
   CaseSpec s;
   s.kind = kind;
   s.format = KVFormat::kBlockTable;
   s.num_qo_heads = 32, s.num_kv_heads = 8, s.head_dim_qk = 128;
   s.qo_lens = kind == PlanKind::kDecode ? std::vector<int32_t>(6, 1) : std::vector<int32_t>{50, 3, 64, 20, 1, 77};
   s.options.causal = kind == PlanKind::kPrefill;
-  s.kv_lens = {3000, 17, 800, 4096, 1, 2500};
+  s.kv_lens = long_lens;
   s.options.sinks = true;
   s.seed = 11;
   Case full = make_case(s);  // the long lengths; the short batch is a prefix of every request
-  const std::vector<int32_t> long_lens = s.kv_lens, short_lens = {100, 5, 700, 33, 1, 1200};
+  for (size_t b = 0; b < short_lens.size(); ++b)
+    ASSERT_LE(short_lens[b], long_lens.at(b)) << "request " << b << ": the short batch must be a prefix of the long";
   DeviceCase dev(full);
   int32_t* seq = static_cast<int32_t*>(full.seq_lens.data());
 
@@ -532,6 +621,9 @@ void capture_replan_replay(PlanKind kind) {
 
   AttentionPlan longer = plan_for(long_lens);
   ASSERT_LE(longer.workspace_bytes, ws_bytes) << "a re-plan of the same batch size must fit the captured workspace";
+  if (long_lens[0] > 20000)  // the captured merge launch (a warp per row) serves a re-plan whose merges want four
+    ASSERT_TRUE(plan.max_merge_states <= 8 && longer.max_merge_states > 8)  // kMergeWarpMaxStates
+        << "the plans do not straddle the merge shapes: " << plan.max_merge_states << ", " << longer.max_merge_states;
   ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(stream));  // the staging buffer is free again
   upload_plan(longer, w, staging, longer.staging_bytes, stream);
   replay_and_check(long_lens, "replay after re-plan");
@@ -545,6 +637,10 @@ void capture_replan_replay(PlanKind kind) {
 
 TEST(CudaGraph, CaptureReplanReplayDecode) { capture_replan_replay(PlanKind::kDecode); }
 TEST(CudaGraph, CaptureReplanReplayPrefill) { capture_replan_replay(PlanKind::kPrefill); }
+TEST(CudaGraph, CaptureReplanReplayAcrossMergeShapes) {
+  // Short lengths of at most 800 tokens (cut in 128-token pieces: at most 6 states) against one of 32000.
+  capture_replan_replay(PlanKind::kDecode, {32000, 17, 800, 40, 1, 800}, {100, 5, 700, 33, 1, 800});
+}
 
 // Runs every case with the nvcc-compiled and with the NVRTC-compiled kernels (plan and run each time): both match
 // the float64 reference, and their outputs and LSE are the same bits. Kernels compile into a temporary cache; the

@@ -123,6 +123,7 @@ struct AttentionParams {
   // Launch sizes, from the plan's capacities (fixed for a batch size, so graphs survive re-plans).
   int32_t item_capacity, merge_capacity, qo_tile;
   int32_t tile_rows;  // the plan's tile_rows: which prefill kernel (CTA rows) serves it
+  int32_t max_merge_states;  // the plan's: which shape of merge kernel launch serves it
 };
 
 }  // namespace attnforge

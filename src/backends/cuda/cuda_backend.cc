@@ -49,6 +49,36 @@ void expect_stride(int64_t stride, int32_t elem_bytes, const char* name) {
              stride, elem_bytes);
 }
 
+// The K/V tile loader keeps page and token strides as unsigned 32-bit byte counts (device/tiles.cuh).
+void expect_narrow_stride(int64_t stride, int32_t elem_bytes, const char* name) {
+  const int64_t bytes = stride * elem_bytes;
+  if (bytes < 0 || bytes >= (int64_t{1} << 31))
+    fail(ErrorKind::kUnsupported, "{}: stride {} elements of {} bytes ({} bytes); the CUDA kernels take K/V page and "
+         "token strides from 0 to 2 GiB - 1 bytes", name, stride, elem_bytes, bytes);
+}
+
+// The alignment and strides every CUDA attention kernel (built-in or custom variant) needs.
+void expect_kernel_layout(const AttentionParams& p) {
+  expect_aligned(p.q, "q");
+  const int32_t qb = dtype_bytes(p.q_dtype), kvb = dtype_bytes(p.kv.dtype);
+  expect_stride(p.q_stride_token, qb, "q (token)");
+  expect_stride(p.q_stride_head, qb, "q (head)");
+  expect_aligned(p.kv.k, "kv.k");
+  expect_aligned(p.kv.v, "kv.v");
+  expect_stride(p.kv.k_stride_page, kvb, "kv.k (page)");
+  expect_stride(p.kv.k_stride_head, kvb, "kv.k (head)");
+  expect_stride(p.kv.v_stride_page, kvb, "kv.v (page)");
+  expect_stride(p.kv.v_stride_head, kvb, "kv.v (head)");
+  if (p.kv.format != KVFormat::kRagged) {
+    expect_stride(p.kv.k_stride_token, kvb, "kv.k (token)");
+    expect_stride(p.kv.v_stride_token, kvb, "kv.v (token)");
+  }
+  expect_narrow_stride(p.kv.k_stride_page, kvb, "kv.k (page)");
+  expect_narrow_stride(p.kv.v_stride_page, kvb, "kv.v (page)");
+  expect_narrow_stride(p.kv.k_stride_token, kvb, "kv.k (token)");
+  expect_narrow_stride(p.kv.v_stride_token, kvb, "kv.v (token)");
+}
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {
@@ -128,20 +158,7 @@ class CudaBackend final : public Backend {
   }
 
   void attention(const AttentionParams& p, PlanKind kind, Stream stream) override {
-    expect_aligned(p.q, "q");
-    const int32_t qb = dtype_bytes(p.q_dtype), kvb = dtype_bytes(p.kv.dtype);
-    expect_stride(p.q_stride_token, qb, "q (token)");
-    expect_stride(p.q_stride_head, qb, "q (head)");
-    expect_aligned(p.kv.k, "kv.k");
-    expect_aligned(p.kv.v, "kv.v");
-    expect_stride(p.kv.k_stride_page, kvb, "kv.k (page)");
-    expect_stride(p.kv.k_stride_head, kvb, "kv.k (head)");
-    expect_stride(p.kv.v_stride_page, kvb, "kv.v (page)");
-    expect_stride(p.kv.v_stride_head, kvb, "kv.v (head)");
-    if (p.kv.format != KVFormat::kRagged) {
-      expect_stride(p.kv.k_stride_token, kvb, "kv.k (token)");
-      expect_stride(p.kv.v_stride_token, kvb, "kv.v (token)");
-    }
+    expect_kernel_layout(p);
     DeviceGuard guard(device_);
     const auto cuda_stream = static_cast<cudaStream_t>(stream);
     if (jit::cuda_kernels() == jit::CudaKernels::kNvrtc)
@@ -155,6 +172,7 @@ class CudaBackend final : public Backend {
   // Custom variants compile through NVRTC whatever ATTNFORGE_KERNELS says (nvcc cannot know them).
   void attention_variant(const AttentionParams& p, PlanKind kind, const std::string& name, const std::string& source,
                          const VariantArgs& args, Stream stream) override {
+    expect_kernel_layout(p);
     DeviceGuard guard(device_);
     const AttentionShape shape{p.num_qo_heads, p.num_kv_heads, p.head_dim_qk, p.head_dim_vo,
                                p.q_dtype,      p.kv.dtype,     p.o_dtype};

@@ -6,7 +6,8 @@
 // (backends/cuda/merge). Self-contained for NVRTC.
 //
 // fp8 K/V (KV = E4M3 or E5M2) stream into shared memory as raw codes, half the bytes of a 16-bit tile, and are
-// converted to the operand type in registers, exactly (device/fp8.cuh), right after ldmatrix:
+// converted to fp16 in registers, exactly (device/fp8.cuh), right after ldmatrix; the fp8 kernels multiply in fp16
+// whatever Q's type (bf16 Q rows are stored as fp16 with a power-of-two row scale, load_query_rows_permuted):
 //   K: an ldmatrix of fp8 rows gives each thread 4 consecutive head dims of one token; Q's head dims are
 //      permuted in shared memory to match (load_query_rows_permuted), so the B fragments need no shuffle.
 //   V: ldmatrix.trans of fp8 rows gives each thread 2 tokens x 2 adjacent head dims; one byte permute makes a
@@ -28,11 +29,21 @@
 namespace attnforge::cuda {
 
 // kStages_ is the tile configuration of the run-time compiler's key (jit/kernel_key.h); nvcc builds the default.
+template <bool kFp8, typename Elem>
+struct DecodeMmaElem {
+  using type = Elem;
+};
+template <typename Elem>
+struct DecodeMmaElem<true, Elem> {
+  using type = F16;  // fp8 codes widen to fp16 in one instruction a pair (to bf16: four)
+};
+
 template <int kHeadDim_, typename Elem_, int kStages_ = kDefaultDecodeStages, typename KV_ = Elem_>
 struct DecodeTraits {
-  using Elem = Elem_;  // Bf16 or F16: Q element type, and the mma operand type
+  using Elem = Elem_;  // Bf16 or F16: Q element type
   using KV = KV_;      // K/V storage: Elem, or E4M3 / E5M2 (fp8)
   static constexpr bool kFp8 = KVStorage<KV>::kBytes == 1;
+  using MmaElem = typename DecodeMmaElem<kFp8, Elem>::type;  // the tensor cores' operand type (and Q's in smem)
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kThreads = 128;
   static constexpr int kWarps = kThreads / 32;
@@ -159,19 +170,26 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   constexpr bool kCustom = IsCustomVariant<V>::value;
   constexpr bool kSoftmax = V::kSoftmax;
   using Elem = typename Tr::Elem;
+  using MmaElem = typename Tr::MmaElem;
   constexpr int D = Tr::kHeadDim;
   constexpr bool kFp8 = Tr::kFp8;
+  // fp8 with bf16 Q: the logits' factor of each row's Q scale (2^s, load_query_rows_permuted), usually 1.
+  constexpr bool kQScaled = kFp8 && IsBf16<Elem>::value;
   extern __shared__ __align__(128) uint16_t smem[];
   uint16_t* sQ = smem;
   uint8_t* sK = reinterpret_cast<uint8_t*>(smem) + Tr::kQBytes;
   uint8_t* sV = sK + Tr::kStages * Tr::kTileBytes;
   __shared__ float s_freqs[D / 2];  // RoPE frequencies, when on
+  __shared__ float s_qscale[Tr::kRows];  // fp8: each Q row's scale 2^s (1 for fp16 Q)
 
   const PlanView& plan = *p.plan;
   const KVParams& kv = p.kv;
   const VariantParams& vp = p.variant;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int kv_head = blockIdx.y;
+  // CTAs start in launch order (blockIdx.x fastest): the linear index takes a work item's KV heads together, so the
+  // plan's longest-first item order is the order its CTAs start in, not one head's items after another's.
+  const int linear = blockIdx.x + gridDim.x * blockIdx.y;  // gridDim.y is the KV head count
+  const int kv_head = linear % p.num_kv_heads;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int row0 = blockIdx.z * Tr::kRows;
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
@@ -180,7 +198,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   const bool rope = !kFp8 && !kCustom && vp.rope.enabled != 0;  // a custom variant does its own RoPE
   if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
 
-  for (int item_index = blockIdx.x; item_index < num_items; item_index += gridDim.x) {
+  for (int item_index = linear / p.num_kv_heads; item_index < num_items; item_index += gridDim.x) {
     const WorkItem it = plan.items[item_index];
     const int b = it.request;
     const int rows_total = (it.qo_end - it.qo_begin) * group;
@@ -243,7 +261,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     // fp8: Q through registers, its global latency behind the K/V copies already in flight; the main loop's first
     // barrier publishes the stores.
     if constexpr (kFp8)
-      load_query_rows_permuted<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);
+      load_query_rows_permuted<D, Tr::kRows, Tr::kThreads, Elem>(p, it, qo_start, row0, rows, group, kv_head, sQ,
+                                                                 s_qscale);
+    float q_scale[2] = {1.f, 1.f};  // the rows lane / 4 and lane / 4 + 8, read once Q is published
+    bool q_scaled = false;          // warp-uniform: some row of this warp's has a scale
     const int rope_offset = rope && vp.rope.pos_offset ? vp.rope.pos_offset[b] : 0;
     if constexpr (!kFp8) {
       if (rope) {  // Q rotated in place once it has landed (this drains the prologue's copies: RoPE only)
@@ -270,6 +291,12 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     for (int t = 0; t < num_tiles; ++t) {
       cp_async_wait<Tr::kStages - 2>();
       __syncthreads();  // tile t has landed for every thread, and every warp is done with tile t - 1
+      if constexpr (kQScaled) {
+        if (t == 0) {
+          q_scale[0] = s_qscale[lane / 4], q_scale[1] = s_qscale[lane / 4 + 8];
+          q_scaled = __any_sync(0xffffffffu, q_scale[0] != 1.f || q_scale[1] != 1.f);
+        }
+      }
       const int next = t + Tr::kStages - 1;
       if (next < num_tiles) {
         load_tile(next, next % Tr::kStages);
@@ -315,11 +342,16 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
           for (int h = 0; h < 2; ++h) {
             uint32_t a[4], b0[2], b1[2];
             ldmatrix_x4(a, sQ + swizzle<D>(lane % 16, 2 * (kk + h) + lane / 16));
-            fp8x4_to_pairs<typename Tr::KV>(kb[2 * h], b0, Elem{});
-            fp8x4_to_pairs<typename Tr::KV>(kb[2 * h + 1], b1, Elem{});
-            mma_16816(s_acc[0], a, b0[0], b0[1], Elem{});
-            mma_16816(s_acc[1], a, b1[0], b1[1], Elem{});
+            fp8x4_to_pairs<typename Tr::KV>(kb[2 * h], b0, MmaElem{});
+            fp8x4_to_pairs<typename Tr::KV>(kb[2 * h + 1], b1, MmaElem{});
+            mma_16816(s_acc[0], a, b0[0], b0[1], MmaElem{});
+            mma_16816(s_acc[1], a, b1[0], b1[1], MmaElem{});
           }
+        }
+        if constexpr (kQScaled) {
+          if (q_scaled)
+            for (int nt = 0; nt < 2; ++nt)
+              for (int e = 0; e < 4; ++e) s_acc[nt][e] *= q_scale[e / 2];
         }
       } else {
         const uint16_t* k16 = reinterpret_cast<const uint16_t*>(k_tile);
@@ -396,10 +428,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
 
       // O += P V: the S accumulator layout of two n8 tiles is exactly the A layout of one k16 step.
       uint32_t a_p[4];
-      a_p[0] = pack2(s_acc[0][0], s_acc[0][1], Elem{});
-      a_p[1] = pack2(s_acc[0][2], s_acc[0][3], Elem{});
-      a_p[2] = pack2(s_acc[1][0], s_acc[1][1], Elem{});
-      a_p[3] = pack2(s_acc[1][2], s_acc[1][3], Elem{});
+      a_p[0] = pack2(s_acc[0][0], s_acc[0][1], MmaElem{});
+      a_p[1] = pack2(s_acc[0][2], s_acc[0][3], MmaElem{});
+      a_p[2] = pack2(s_acc[1][0], s_acc[1][1], MmaElem{});
+      a_p[3] = pack2(s_acc[1][2], s_acc[1][3], MmaElem{});
       if constexpr (kFp8) {
         // Matrices (tokens 0-7, block nd), (8-15, nd), (0-7, nd+1), (8-15, nd+1), transposed: a register holds
         // bytes V[2q][2c], V[2q][2c+1], V[2q+1][2c], V[2q+1][2c+1] (q = lane % 4, c = lane / 4); the permute
@@ -410,10 +442,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
                                                                         nd + lane / 16));
           for (int h = 0; h < 2; ++h) {
             uint32_t lo[2], hi[2];  // tokens 2q, 2q+1 and 2q+8, 2q+9: (even dim, odd dim)
-            fp8x4_to_pairs<typename Tr::KV>(byte_perm(vb[2 * h], 0u, 0x3120u), lo, Elem{});
-            fp8x4_to_pairs<typename Tr::KV>(byte_perm(vb[2 * h + 1], 0u, 0x3120u), hi, Elem{});
-            mma_16816(o_acc[2 * (nd + h)], a_p, lo[0], hi[0], Elem{});
-            mma_16816(o_acc[2 * (nd + h) + 1], a_p, lo[1], hi[1], Elem{});
+            fp8x4_to_pairs<typename Tr::KV>(byte_perm(vb[2 * h], 0u, 0x3120u), lo, MmaElem{});
+            fp8x4_to_pairs<typename Tr::KV>(byte_perm(vb[2 * h + 1], 0u, 0x3120u), hi, MmaElem{});
+            mma_16816(o_acc[2 * (nd + h)], a_p, lo[0], hi[0], MmaElem{});
+            mma_16816(o_acc[2 * (nd + h) + 1], a_p, lo[1], hi[1], MmaElem{});
           }
         }
       } else {

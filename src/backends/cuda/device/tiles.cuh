@@ -121,13 +121,27 @@ __device__ __forceinline__ void load_query_rows(const AttentionParams& p, const 
 // i.e. the even dim pairs, then the odd ones. Loaded through registers (16-byte loads; the permutation moves
 // whole 4-byte pairs across the two 16-byte chunks of a block), zeros past `rows`; the stores are complete
 // before the caller's next barrier.
+// The fp8 kernels multiply in fp16 whatever Q's type (fp8 codes widen to fp16 in one instruction a pair; to bf16
+// they took four), so bf16 Q rows are stored as fp16: each row is scaled by 2^-s, s >= 0 the least power that
+// brings the row's largest |q| under 2^15 (s = 0 for any row under 32768, the usual case), which is exact for every
+// element fp16 holds at full precision; row_scale[r] gets 2^s for the logits. fp16 Q is stored as it is (scale 1).
 struct alignas(16) Words4 {
   uint32_t x, y, z, w;
 };
-template <int D, int kRows, int kThreads>
+template <typename T>
+struct IsBf16 {
+  static constexpr bool value = false;
+};
+template <>
+struct IsBf16<Bf16> {
+  static constexpr bool value = true;
+};
+template <int D, int kRows, int kThreads, typename Elem>
 __device__ __forceinline__ void load_query_rows_permuted(const AttentionParams& p, const WorkItem& it, int qo_start,
-                                                         int row0, int rows, int group, int kv_head, uint16_t* sQ) {
+                                                         int row0, int rows, int group, int kv_head, uint16_t* sQ,
+                                                         float* row_scale) {
   constexpr int kBlocks = D / 16;
+  static_assert(32 % kBlocks == 0 && (kRows * kBlocks) % 32 == 0, "a row's blocks are whole lane groups of a warp");
   for (int i = threadIdx.x; i < kRows * kBlocks; i += kThreads) {
     const int r = i / kBlocks, j = i % kBlocks;
     Words4 lo = {0u, 0u, 0u, 0u}, hi = {0u, 0u, 0u, 0u};  // dim pairs 0-3 and 4-7 of block j
@@ -138,6 +152,24 @@ __device__ __forceinline__ void load_query_rows_permuted(const AttentionParams& 
                                                         q.head * p.q_stride_head + j * 16);
       lo = src[0];
       hi = src[1];
+    }
+    if constexpr (IsBf16<Elem>::value) {
+      uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      uint32_t m = 0;  // the largest magnitude's bits: bf16 magnitudes order as their bits do
+#pragma unroll
+      for (int k = 0; k < 8; ++k) m = max(m, max(w[k] & 0x7fffu, (w[k] >> 16) & 0x7fffu));
+      for (int o = 1; o < kBlocks; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+      const int e = static_cast<int>(m >> 7) - 127;  // exponent of the row's largest |q| (inf, NaN: 128)
+      const int s = e > 14 ? e - 14 : 0;
+      const float down = __int_as_float((127 - s) << 23);  // 2^-s, exact
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        w[k] = pack2(__uint_as_float(w[k] << 16) * down, __uint_as_float(w[k] & 0xffff0000u) * down, F16{});
+      lo = Words4{w[0], w[1], w[2], w[3]};
+      hi = Words4{w[4], w[5], w[6], w[7]};
+      if (j == 0) row_scale[r] = __int_as_float((127 + s) << 23);  // 2^s
+    } else {
+      if (j == 0) row_scale[r] = 1.f;
     }
     *reinterpret_cast<Words4*>(sQ + swizzle<D>(r, 2 * j)) = Words4{lo.x, lo.z, hi.x, hi.z};
     *reinterpret_cast<Words4*>(sQ + swizzle<D>(r, 2 * j + 1)) = Words4{lo.y, lo.w, hi.y, hi.w};
@@ -204,21 +236,42 @@ struct KVTileLoader {
   }
 
   // Copies tile t of K and V into sK / sV (one stage each) from the pages fetched for it.
+  // Register-held page ids (the decode kernel): the thread's chunk of the KV head is found once per tile and a row's
+  // address is two unsigned 32 x 32 -> 64-bit multiply-adds on byte strides (run() takes K/V page and token strides
+  // from 0 to 2 GiB - 1 bytes), one IMAD.WIDE.U32 each; the 64-bit stride products per row were about 60
+  // instructions of every row's copy (sm_90a SASS, 3354b9e).
+  // Shared slots (the prefill kernel) keep the 64-bit products: there the narrow form raised ptxas's spills at
+  // head_dim 128 from 36 to 60 bytes.
   __device__ __forceinline__ void load(int t, void* sK, void* sV) const {
     const int chunk = threadIdx.x % kChunks;
+    const uint8_t* k_base = static_cast<const uint8_t*>(kv.k) + kv_head * kv.k_stride_head * kElemBytes + chunk * 16;
+    const uint8_t* v_base = static_cast<const uint8_t*>(kv.v) + kv_head * kv.v_stride_head * kElemBytes + chunk * 16;
+    const uint32_t k_page_bytes = static_cast<uint32_t>(kv.k_stride_page * kElemBytes);
+    const uint32_t k_token_bytes = static_cast<uint32_t>(kv.k_stride_token * kElemBytes);
+    const uint32_t v_page_bytes = static_cast<uint32_t>(kv.v_stride_page * kElemBytes);
+    const uint32_t v_token_bytes = static_cast<uint32_t>(kv.v_stride_token * kElemBytes);
     #pragma unroll
     for (int k = 0; k < kLoadRows; ++k) {
       const int r = row(k);
       const int token = first + t * kTileTokens + r;
       const bool valid = token < last;
-      const int64_t slot =
+      const int32_t slot =
           kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
-      const uint8_t* ksrc = static_cast<const uint8_t*>(kv.k);
+      const uint8_t* ksrc = static_cast<const uint8_t*>(kv.k);  // an invalid row copies nothing from a valid address
       const uint8_t* vsrc = static_cast<const uint8_t*>(kv.v);
       if (valid) {
-        const int64_t page = kPageSlots > 0 ? slots[(t % kPageSlots) * kTileTokens + r] : pages[k];
-        ksrc += (page * kv.k_stride_page + slot * kv.k_stride_token + kv_head * kv.k_stride_head) * kElemBytes + chunk * 16;
-        vsrc += (page * kv.v_stride_page + slot * kv.v_stride_token + kv_head * kv.v_stride_head) * kElemBytes + chunk * 16;
+        const int32_t page = kPageSlots > 0 ? slots[(t % kPageSlots) * kTileTokens + r] : pages[k];
+        if constexpr (kPageSlots == 0) {
+          const uint32_t page_u = static_cast<uint32_t>(page), slot_u = static_cast<uint32_t>(slot);  // both >= 0
+          ksrc = k_base + (static_cast<uint64_t>(page_u) * k_page_bytes + static_cast<uint64_t>(slot_u) * k_token_bytes);
+          vsrc = v_base + (static_cast<uint64_t>(page_u) * v_page_bytes + static_cast<uint64_t>(slot_u) * v_token_bytes);
+        } else {
+          const int64_t page64 = page, slot64 = slot;
+          ksrc += (page64 * kv.k_stride_page + slot64 * kv.k_stride_token + kv_head * kv.k_stride_head) * kElemBytes +
+                  chunk * 16;
+          vsrc += (page64 * kv.v_stride_page + slot64 * kv.v_stride_token + kv_head * kv.v_stride_head) * kElemBytes +
+                  chunk * 16;
+        }
       }
       const int dst = swizzle_bytes<kRowBytes>(r, chunk);
       cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, valid ? 16 : 0);

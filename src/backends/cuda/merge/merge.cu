@@ -11,10 +11,12 @@
 namespace attnforge::cuda {
 
 // Query rows of a merge run in parallel CTAs (up to 8; more loop): speculative verification merges 4-8 rows each.
-// Any re-plan's rows are covered whatever qo_tile it has, since the kernel strides over them by gridDim.z.
+// Any re-plan's rows are covered whatever qo_tile it has, since the kernel strides over them by gridDim.z. A warp
+// per (row, head) takes four heads per CTA; four warps per row, one head (merge_one_warp).
 KernelDims merge_dims(const AttentionParams& p) {
   const unsigned row_blocks = static_cast<unsigned>(p.qo_tile < 1 ? 1 : p.qo_tile > 8 ? 8 : p.qo_tile);
-  return {dim3(p.merge_capacity > 0 ? p.merge_capacity : 1, p.num_qo_heads, row_blocks), dim3(kMergeThreads), 0};
+  const unsigned head_blocks = merge_one_warp(p) ? (p.num_qo_heads + kMergeWarps - 1) / kMergeWarps : p.num_qo_heads;
+  return {dim3(p.merge_capacity > 0 ? p.merge_capacity : 1, head_blocks, row_blocks), dim3(kMergeThreads), 0};
 }
 
 LaunchConfig attention_launch_config(const AttentionParams& p, int rows_per_cta, const KernelAttributes& a) {

@@ -14,42 +14,57 @@ constexpr int kMergeThreads = 128;
 constexpr int kMergeWarps = kMergeThreads / 32;
 constexpr int kMergeMaxDim = 256;  // head_dim_vo of every kernel family that splits KV
 
-// One (merge, query head, token) row: warp w combines the states w, w + 4, w + 8, ... with a running maximum, lane
-// i holding state w + 4 i's LSE and weight and every lane accumulating float2 slices of each state's O (dims
-// 2 lane + 64 j, so a warp reads 256 contiguous bytes per slice); the four warps then meet in shared memory. After
-// the wait for the attention grid, a row of up to 128 states costs two dependent L2 trips (the LSEs, then all the
-// warp's O slices at once: kBatch states per lane in flight) where a block-wide pass over the states cost one trip
-// per eight of them plus two block barriers (8.9 us for 49 states under ncu, H200).
+// A merge has two shapes. Few states (speculative verification, small batches split a little: 2-3 states, many
+// rows): a warp per (row, head), four heads per CTA, no shared memory and no barrier. More states (one request
+// split over the SMs: 16 to dozens of states, few rows): the four warps of a CTA share a row. The host picks one
+// per launch from the plan's largest merge (merge_dims, merge_one_warp); both are correct for any plan, so a graph
+// captured with one replays every re-plan. The bound, 8 states (one batch of O loads per lane at head_dim 128), is
+// measured (ncu, H200, 3f6c00c): verify 64x8+4096 (2 states) 66.9 -> 22.7 us and 16x2048 (3) 6.21 -> 6.02 us with a
+// warp per row, but decode 1x2048 (16 states, one row) 6.08 -> 8.06 us.
+constexpr int kMergeWarpMaxStates = 8;
+__host__ __device__ __forceinline__ bool merge_one_warp(const AttentionParams& p) {
+  return p.max_merge_states <= kMergeWarpMaxStates;
+}
+
+// A warp's running state over some of a row's partial states: the maximum LSE seen (log2 units), the sum of its
+// lanes' weights (per lane until reduced), and float2 slices of O (dims 2 lane + 64 j: 256 contiguous bytes per
+// slice and warp).
 template <int kPairs>
-__device__ __forceinline__ void merge_row(const AttentionParams& p, const PlanView& plan, const MergeItem& mi,
-                                          int tok, int first_row, float* s_m, float* s_l,
-                                          float2 (*s_o)[kMergeMaxDim / 2]) {
+struct WarpState {
+  float m = -ATTNFORGE_INFINITY, l = 0.f;
+  float2 acc[kPairs];
+};
+
+// Adds the states first, first + stride, first + 2 stride, ... of merge `mi`'s row `tok` to the warp's state, 32 at
+// a time: lane i holds the LSE and weight of the i-th, and every lane loads its O slices of kBatch states at once
+// (two dependent L2 trips per 32 states: the LSEs, then the slices). `first_row`: the first state's partial row,
+// read before the wait for the attention grid.
+template <int kPairs>
+__device__ __forceinline__ void warp_accumulate(const AttentionParams& p, const PlanView& plan, const MergeItem& mi,
+                                                int tok, int first, int stride, int first_row, int h,
+                                                WarpState<kPairs>& st) {
   // States whose slices a lane loads at once: 32 registers of O in flight (64 made the kernel 143 registers, three
   // CTAs per SM, and merges of many rows slower than the block-wide pass: 120 us against 36 us, H200, 15e76a7).
   constexpr int kBatch = 16 / kPairs;
-  const int h = blockIdx.y, heads = p.num_qo_heads, dvo = p.head_dim_vo;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int heads = p.num_qo_heads, dvo = p.head_dim_vo, lane = threadIdx.x % 32;
   const WorkItem* items = plan.items + mi.first_item;
   const int row_offset = tok - mi.qo_begin;
-  float m = -ATTNFORGE_INFINITY, l = 0.f;  // the warp's running maximum; l: this lane's states' weights
-  float2 acc[kPairs];
-  for (int j = 0; j < kPairs; ++j) acc[j] = make_float2(0.f, 0.f);
-  for (int base = warp; base < mi.num_items; base += 32 * kMergeWarps) {
-    const int k = base + kMergeWarps * lane;
+  for (int base = first; base < mi.num_items; base += 32 * stride) {
+    const int k = base + stride * lane;
     int row = -1;
-    if (k < mi.num_items) row = (base == warp ? first_row : items[k].partial_row) + row_offset;
+    if (k < mi.num_items) row = (base == first ? first_row : items[k].partial_row) + row_offset;
     const float lse = row >= 0 ? plan.partial_lse[static_cast<int64_t>(row) * heads + h] : -ATTNFORGE_INFINITY;
     float chunk_max = lse;
     for (int o = 16; o > 0; o >>= 1) chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, o));
-    const float m_new = fmaxf(m, chunk_max);
+    const float m_new = fmaxf(st.m, chunk_max);
     if (m_new == -ATTNFORGE_INFINITY) continue;  // warp-uniform: every state so far is empty
-    const float scale = exp2f(m - m_new);        // 0 while m is -inf (acc and l are 0 then)
-    l *= scale;
-    for (int j = 0; j < kPairs; ++j) acc[j].x *= scale, acc[j].y *= scale;
-    m = m_new;
-    const float w = lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);
-    l += w;
-    const int count = min(32, (mi.num_items - base + kMergeWarps - 1) / kMergeWarps);
+    const float scale = exp2f(st.m - m_new);     // 0 while m is -inf (acc and l are 0 then)
+    st.l *= scale;
+    for (int j = 0; j < kPairs; ++j) st.acc[j].x *= scale, st.acc[j].y *= scale;
+    st.m = m_new;
+    const float w = lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - st.m);
+    st.l += w;
+    const int count = min(32, (mi.num_items - base + stride - 1) / stride);
     for (int i0 = 0; i0 < count; i0 += kBatch) {
       float2 v[kBatch][kPairs];
       float wb[kBatch];
@@ -72,12 +87,55 @@ __device__ __forceinline__ void merge_row(const AttentionParams& p, const PlanVi
 #pragma unroll
       for (int u = 0; u < kBatch; ++u)
 #pragma unroll
-        for (int j = 0; j < kPairs; ++j) acc[j].x += wb[u] * v[u][j].x, acc[j].y += wb[u] * v[u][j].y;
+        for (int j = 0; j < kPairs; ++j) st.acc[j].x += wb[u] * v[u][j].x, st.acc[j].y += wb[u] * v[u][j].y;
     }
   }
-  for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-  if (lane == 0) s_m[warp] = m, s_l[warp] = l;
-  for (int j = 0; j < kPairs; ++j) s_o[warp][lane + 32 * j] = acc[j];
+  for (int o = 16; o > 0; o >>= 1) st.l += __shfl_xor_sync(0xffffffffu, st.l, o);
+}
+
+// A finished row (maximum m, weight sum l): o = acc x scale (1 / l, sinks folded in), lse = m + log2 l. The thread
+// that passes write_lse writes the LSE.
+struct MergedRow {
+  int64_t out_row;
+  float scale;
+};
+__device__ __forceinline__ MergedRow finish_row(const AttentionParams& p, const PlanView& plan, const MergeItem& mi,
+                                                int tok, int h, float m, float l, bool write_lse) {
+  float lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
+  const float scale = (l > 0.f ? 1.f / l : 0.f) * apply_sink(p.variant, h, &lse);
+  const int qo_start = plan.qo_indptr[mi.request];
+  if (p.lse && write_lse) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
+  return {(qo_start + tok) * p.o_stride_token + h * p.o_stride_head, scale};
+}
+// Columns 2 e and 2 e + 1 of a finished row.
+__device__ __forceinline__ void store_pair(const AttentionParams& p, const MergedRow& r, int e, float2 o) {
+  store_element(p.o, p.o_dtype, r.out_row + 2 * e, o.x * r.scale);
+  store_element(p.o, p.o_dtype, r.out_row + 2 * e + 1, o.y * r.scale);
+}
+
+// Few states: this warp's (row, head), every state of the row.
+template <int kPairs>
+__device__ __forceinline__ void merge_row_warp(const AttentionParams& p, const PlanView& plan, const MergeItem& mi,
+                                               int tok, int h, int first_row) {
+  WarpState<kPairs> st;
+  for (int j = 0; j < kPairs; ++j) st.acc[j] = make_float2(0.f, 0.f);
+  warp_accumulate<kPairs>(p, plan, mi, tok, 0, 1, first_row, h, st);
+  const int lane = threadIdx.x % 32;
+  const MergedRow r = finish_row(p, plan, mi, tok, h, st.m, st.l, lane == 0);
+  for (int j = 0; j < kPairs; ++j) store_pair(p, r, lane + 32 * j, st.acc[j]);
+}
+
+// Many states: warp w takes the states w, w + 4, ...; the four warps meet in shared memory.
+template <int kPairs>
+__device__ __forceinline__ void merge_row_block(const AttentionParams& p, const PlanView& plan, const MergeItem& mi,
+                                                int tok, int h, int first_row, float* s_m, float* s_l,
+                                                float2 (*s_o)[kMergeMaxDim / 2]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  WarpState<kPairs> st;
+  for (int j = 0; j < kPairs; ++j) st.acc[j] = make_float2(0.f, 0.f);
+  warp_accumulate<kPairs>(p, plan, mi, tok, warp, kMergeWarps, first_row, h, st);
+  if (lane == 0) s_m[warp] = st.m, s_l[warp] = st.l;
+  for (int j = 0; j < kPairs; ++j) s_o[warp][lane + 32 * j] = st.acc[j];
   __syncthreads();
   float m_all = s_m[0];
   for (int w = 1; w < kMergeWarps; ++w) m_all = fmaxf(m_all, s_m[w]);
@@ -86,45 +144,51 @@ __device__ __forceinline__ void merge_row(const AttentionParams& p, const PlanVi
     f[w] = s_m[w] == -ATTNFORGE_INFINITY ? 0.f : exp2f(s_m[w] - m_all);
     l_all += f[w] * s_l[w];
   }
-  float lse = l_all > 0.f ? m_all + log2f(l_all) : -ATTNFORGE_INFINITY;
-  const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
-  const float out_scale = inv * apply_sink(p.variant, h, &lse);
-  const int qo_start = plan.qo_indptr[mi.request];
-  const int64_t out_row = (qo_start + tok) * p.o_stride_token + h * p.o_stride_head;
-  for (int e = threadIdx.x; e < dvo / 2; e += kMergeThreads) {
+  const MergedRow r = finish_row(p, plan, mi, tok, h, m_all, l_all, threadIdx.x == 0);
+  for (int e = threadIdx.x; e < p.head_dim_vo / 2; e += kMergeThreads) {
     float2 o = make_float2(0.f, 0.f);
     for (int w = 0; w < kMergeWarps; ++w) o.x += f[w] * s_o[w][e].x, o.y += f[w] * s_o[w][e].y;
-    store_element(p.o, p.o_dtype, out_row + 2 * e, o.x * out_scale);
-    store_element(p.o, p.o_dtype, out_row + 2 * e + 1, o.y * out_scale);
+    store_pair(p, r, e, o);
   }
-  if (p.lse && threadIdx.x == 0) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
   __syncthreads();  // shared memory is reused by the next row
 }
 
-// Combines the partial states of each merge item: one CTA per (merge, query head, row block), grid-stride over the
-// plan's merges and over the merge's query rows by gridDim.z (merge_row). Launched as a programmatic dependent of
-// the attention kernel where the GPU has it (sm_90+): the plan's metadata (uploaded before the attention kernel) is
-// read first, then griddepcontrol.wait holds the CTA until the attention grid has finished and its partial states
-// are visible.
+template <int kPairs>
+__device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m, float* s_l,
+                                            float2 (*s_o)[kMergeMaxDim / 2]) {
+  const PlanView& plan = *p.plan;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool one_warp = merge_one_warp(p);
+  // One warp per row: this warp's head (none past the last); else the CTA's head.
+  const int h = one_warp ? static_cast<int>(blockIdx.y) * kMergeWarps + warp : static_cast<int>(blockIdx.y);
+  if (one_warp && h >= p.num_qo_heads) return;  // no barrier in this shape
+  for (int mi_index = blockIdx.x; mi_index < plan.num_merges; mi_index += gridDim.x) {
+    const MergeItem mi = plan.merges[mi_index];
+    // The first states' partial rows (plan metadata, not written by the attention kernel) before the wait.
+    const int k = one_warp ? lane : warp + kMergeWarps * lane;
+    const int first_row = k < mi.num_items ? plan.items[mi.first_item + k].partial_row : 0;
+    grid_dependency_wait();
+    for (int tok = mi.qo_begin + static_cast<int>(blockIdx.z); tok < mi.qo_end; tok += gridDim.z) {
+      if (one_warp)
+        merge_row_warp<kPairs>(p, plan, mi, tok, h, first_row);
+      else
+        merge_row_block<kPairs>(p, plan, mi, tok, h, first_row, s_m, s_l, s_o);
+    }
+  }
+}
+
+// Combines the partial states of each merge item (the shapes above), grid-stride over the plan's merges and over a
+// merge's query rows by gridDim.z. Launched as a programmatic dependent of the attention kernel where the GPU has
+// it (sm_90+): the plan's metadata (uploaded before the attention kernel) is read first, then griddepcontrol.wait
+// holds the CTA until the attention grid has finished and its partial states are visible.
 // At most 102 registers: five CTAs per SM or more (at six, ptxas spilled 32 bytes).
 __global__ void __launch_bounds__(kMergeThreads, 5) merge_kernel(const AttentionParams p) {
   __shared__ float s_m[kMergeWarps], s_l[kMergeWarps];
   __shared__ float2 s_o[kMergeWarps][kMergeMaxDim / 2];
-  const PlanView& plan = *p.plan;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int mi_index = blockIdx.x; mi_index < plan.num_merges; mi_index += gridDim.x) {
-    const MergeItem mi = plan.merges[mi_index];
-    // The first states' partial rows (plan metadata, not written by the attention kernel) before the wait.
-    const int k = warp + kMergeWarps * lane;
-    const int first_row = k < mi.num_items ? plan.items[mi.first_item + k].partial_row : 0;
-    grid_dependency_wait();
-    for (int tok = mi.qo_begin + static_cast<int>(blockIdx.z); tok < mi.qo_end; tok += gridDim.z) {
-      switch (p.head_dim_vo) {
-        case 64: merge_row<1>(p, plan, mi, tok, first_row, s_m, s_l, s_o); break;
-        case 128: merge_row<2>(p, plan, mi, tok, first_row, s_m, s_l, s_o); break;
-        default: merge_row<4>(p, plan, mi, tok, first_row, s_m, s_l, s_o); break;  // 256
-      }
-    }
+  switch (p.head_dim_vo) {
+    case 64: merge_items<1>(p, s_m, s_l, s_o); break;
+    case 128: merge_items<2>(p, s_m, s_l, s_o); break;
+    default: merge_items<4>(p, s_m, s_l, s_o); break;  // 256
   }
 }
 

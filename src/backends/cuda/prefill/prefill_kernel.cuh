@@ -40,7 +40,9 @@ struct PrefillTraits {
   static constexpr int kStageElems = kStageTokens * kHeadDim;
   // Shared memory: Q, then K stages, then V stages (16-bit elements).
   static constexpr int kSmemBytes = 2 * (kRows * kHeadDim + 2 * kStages * kStageElems);
-  static constexpr int kMinBlocksPerSM = 2;
+  // The short tile's 64 KB of shared memory (head_dim <= 128) leaves room for three CTAs per SM: registers capped
+  // to fit them (189 uncapped held it to two; H200 ncu at c4a3fbf).
+  static constexpr int kMinBlocksPerSM = kRows == kPrefillShortRows && kHeadDim <= 128 ? 3 : 2;
   static_assert(kRows == kWarps * kWarpRows, "rows are split evenly over the warps");
   static_assert(kMTiles >= 1 && kMTiles <= prefill_m_tiles(kHeadDim), "at most the head dim's m tiles per warp");
   static_assert(kHeadDim % 16 == 0 && kTileTokens % 16 == 0, "mma k16 steps");
