@@ -8,7 +8,7 @@ A tiny decode (one request, a few KV tokens) is run in bursts of --burst calls t
 The overhead is the difference of the medians (target: 5 us or less). On CUDA, work is only queued during a burst
 (bursts stay below the launch queue's depth) and the device is synchronized between bursts, outside the timing.
 
-usage: python3 bench/python_overhead.py [--device cpu|cuda] [--framework numpy|torch] [--json FILE]
+usage: python3 bench/python_overhead.py [--device cpu|cuda] [--framework numpy|torch] [--json FILE] [--breakdown]
   (with a build tree instead of an installed package: PYTHONPATH=build/release/python)
 """
 import argparse
@@ -30,6 +30,9 @@ def main():
     p.add_argument("--burst", type=int, default=200)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--json", default=None, help="write the figures to this file")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the pieces of run(): the extension call with the stream given, the stream lookup, "
+                        "the tracing test")
     a = p.parse_args()
     framework = a.framework or ("torch" if a.device == "cuda" else "numpy")
 
@@ -79,9 +82,27 @@ def main():
     def burst_cpp():
         return wrapper._impl.time_cpp_run(q, k, v, out, None, stream, a.burst)
 
+    def timed(call):  # a burst of one piece of run()
+        def burst():
+            t0 = time.perf_counter()
+            for _ in range(a.burst):
+                call()
+            return time.perf_counter() - t0
+        return burst
+
+    from attnforge import _arrays, _torch
+    pieces = (("python, out given", burst_python_out), ("python, allocating", burst_python_alloc),
+              ("C++ loop", burst_cpp))
+    if a.breakdown:
+        impl, index = wrapper._impl, wrapper._device_index
+        pieces += (
+            ("extension run(), stream given", timed(lambda: impl.run(q, k, v, out, None, stream, None, None, None,
+                                                                     None, None, None, None))),
+            ("stream lookup", timed(lambda: _arrays.current_stream(q, index))),
+            ("tracing test", timed(lambda: _torch.tracing())),
+            ("empty Python call", timed(lambda: None)))
     figures = {}
-    for name, burst in (("python, out given", burst_python_out), ("python, allocating", burst_python_alloc),
-                        ("C++ loop", burst_cpp)):
+    for name, burst in pieces:
         for _ in range(3):  # warm-up
             burst()
             sync()
@@ -96,7 +117,7 @@ def main():
     print(f"attnforge {attnforge.__version__}: decode 1 x {a.kv_len} tokens, {qo_heads}/{kv_heads} heads, "
           f"d {dim}, {a.dtype}, {framework} on {a.device}; median of {a.repeats} bursts of {a.burst} calls")
     for name, us in figures.items():
-        print(f"  {name:20s} {us:8.2f} us per call")
+        print(f"  {name:30s} {us:8.2f} us per call")
     print(f"  overhead of run() above the C++ call: {overhead:.2f} us with out= given, {overhead_alloc:.2f} us "
           f"allocating the output (target: 5 us or less)")
     if a.json:
