@@ -559,7 +559,8 @@ TEST(CudaDeterminism, SameBitsWhateverTheBatch) {
 }
 
 // A graph captured once replays correctly after a re-plan for longer sequences of the same batch size
-// (decode; prefill with the same query lengths over longer prefixes). `long_lens` (default: several long requests).
+// (decode; prefill with the same query lengths over longer prefixes): captured with `short_lens`, replayed with
+// them and then with `long_lens`, each request's short length a prefix of its long one.
 void capture_replan_replay(PlanKind kind, std::vector<int32_t> long_lens = {3000, 17, 800, 4096, 1, 2500},
                            std::vector<int32_t> short_lens = {100, 5, 700, 33, 1, 1200}) {
   CaseSpec s;

@@ -28,7 +28,7 @@
 
 namespace attnforge::cuda {
 
-// kStages_ is the tile configuration of the run-time compiler's key (jit/kernel_key.h); nvcc builds the default.
+// The tensor cores' operand type: Q's, or fp16 for fp8 K/V whatever Q's type.
 template <bool kFp8, typename Elem>
 struct DecodeMmaElem {
   using type = Elem;
@@ -38,6 +38,7 @@ struct DecodeMmaElem<true, Elem> {
   using type = F16;  // fp8 codes widen to fp16 in one instruction a pair (to bf16: four)
 };
 
+// kStages_ is the tile configuration of the run-time compiler's key (jit/kernel_key.h); nvcc builds the default.
 template <int kHeadDim_, typename Elem_, int kStages_ = kDefaultDecodeStages, typename KV_ = Elem_>
 struct DecodeTraits {
   using Elem = Elem_;  // Bf16 or F16: Q element type
