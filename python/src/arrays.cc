@@ -11,6 +11,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
+#include <cstdlib>
 #include <cstring>
 
 #include "attnforge/dlpack.h"
@@ -96,10 +97,23 @@ struct ReaderLookup {
 const ReaderLookup& torch_reader() {
   static const ReaderLookup lookup = [] {
     ReaderLookup r;
+    if (const char* v = std::getenv("ATTNFORGE_TORCH_READER")) {  // 0: the attribute reads, for A/B runs and tests
+      if (std::string(v) != "0" && std::string(v) != "1")
+        detail::fail_arg("ATTNFORGE_TORCH_READER={}: expected 0 or 1", v);
+      if (std::string(v) == "0") {
+        r.why = "ATTNFORGE_TORCH_READER=0";
+        return r;
+      }
+    }
     PyObject* module = PyImport_ImportModule("attnforge._torch_reader");
     if (module == nullptr) {
+      if (PyErr_ExceptionMatches(PyExc_ModuleNotFoundError)) {
+        r.why = "attnforge._torch_reader is not built (torch was not importable when attnforge was built)";
+      } else {  // built, but it does not load with this torch (an ABI or library mismatch): say what failed
+        nb::python_error e;
+        r.why = std::string("attnforge._torch_reader does not import: ") + e.what();
+      }
       PyErr_Clear();
-      r.why = "attnforge._torch_reader is not built (torch was not importable when attnforge was built)";
       return r;
     }
     nb::object mod = nb::steal(module);

@@ -69,6 +69,21 @@ def test_tensors_read_from_their_cpp_objects(rng):
     assert torch.isnan(out_rows[0]).all()
 
 
+def test_attribute_reads_with_the_reader_off():
+    """ATTNFORGE_TORCH_READER=0 keeps the attribute reads (the path of builds without the reader): the status says
+    so, and the eager operator cases and the strided-view case pass through it, in a child process."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(flashinfer.__file__)))  # this attnforge
+    env = dict(os.environ, ATTNFORGE_TORCH_READER="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    status = subprocess.run([sys.executable, "-c", "import torch, attnforge; print(attnforge._C.torch_reader_status())"],
+                            env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert status == "attributes: ATTNFORGE_TORCH_READER=0", status
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(here, "test_torch.py"),
+                        "-k", "test_eager_cpu"], env=env, capture_output=True, text=True, cwd=here)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 # Every operator of the package as a case: (make, call, check). make() gives fresh torch arguments (some operators
 # write into them), call(*make()) runs the operator as an engine would, check(result) compares with the float64
 # reference. Each case runs eagerly, under torch.compile(fullgraph=True), and through the dispatcher with opcheck.
