@@ -113,8 +113,11 @@ def main():
 
     overhead = figures["python, out given"] - figures["C++ loop"]
     overhead_alloc = figures["python, allocating"] - figures["C++ loop"]
+    reader = attnforge._C.torch_reader_status() if framework == "torch" else None
     print(f"attnforge {attnforge.__version__}: decode 1 x {a.kv_len} tokens, {qo_heads}/{kv_heads} heads, "
           f"d {dim}, {a.dtype}, {framework} on {a.device}; median of {a.repeats} bursts of {a.burst} calls")
+    if reader:
+        print(f"  torch tensors read through: {reader}")
     for name, us in figures.items():
         print(f"  {name:30s} {us:8.2f} us per call")
     print(f"  overhead of run() above the C++ call: {overhead:.2f} us with out= given, {overhead_alloc:.2f} us "
@@ -123,7 +126,8 @@ def main():
         with open(a.json, "w") as f:
             json.dump({"device": a.device, "framework": framework, "kv_len": a.kv_len, "heads": a.heads,
                        "head_dim": dim, "dtype": a.dtype, "per_call_us": figures, "overhead_us": overhead,
-                       "overhead_allocating_us": overhead_alloc, "build": attnforge.build_info()}, f, indent=1)
+                       "overhead_allocating_us": overhead_alloc, "torch_reader": reader,
+                       "build": attnforge.build_info()}, f, indent=1)
 
 
 if __name__ == "__main__":

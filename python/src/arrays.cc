@@ -11,10 +11,12 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
+#include <cstdlib>
 #include <cstring>
 
 #include "attnforge/dlpack.h"
 #include "core/check.h"
+#include "torch_reader.h"
 
 namespace nb = nanobind;
 
@@ -86,12 +88,78 @@ nb::object call_method(nb::handle obj, PyObject* name) {
   return nb::steal(r);
 }
 
+// attnforge._torch_reader's reader (torch_reader.h) when that module exists and was built against the running
+// torch; otherwise null, with the reason in `why`. Looked up once, after torch has been imported.
+struct ReaderLookup {
+  TorchReader read = nullptr;
+  std::string why;
+};
+const ReaderLookup& torch_reader() {
+  static const ReaderLookup lookup = [] {
+    ReaderLookup r;
+    if (const char* v = std::getenv("ATTNFORGE_TORCH_READER")) {  // 0: the attribute reads, for A/B runs and tests
+      if (std::string(v) != "0" && std::string(v) != "1")
+        detail::fail_arg("ATTNFORGE_TORCH_READER={}: expected 0 or 1", v);
+      if (std::string(v) == "0") {
+        r.why = "ATTNFORGE_TORCH_READER=0";
+        return r;
+      }
+    }
+    PyObject* module = PyImport_ImportModule("attnforge._torch_reader");
+    if (module == nullptr) {
+      if (PyErr_ExceptionMatches(PyExc_ModuleNotFoundError)) {
+        r.why = "attnforge._torch_reader is not built (torch was not importable when attnforge was built)";
+      } else {  // built, but it does not load with this torch (an ABI or library mismatch): say what failed
+        nb::python_error e;
+        r.why = std::string("attnforge._torch_reader does not import: ") + e.what();
+      }
+      PyErr_Clear();
+      return r;
+    }
+    nb::object mod = nb::steal(module);
+    const std::string built = nb::cast<std::string>(mod.attr("__torch_version__"));
+    const std::string running =
+        nb::cast<std::string>(nb::handle(PyDict_GetItemString(PyImport_GetModuleDict(), "torch")).attr("__version__"));
+    if (built != running) {
+      r.why = "attnforge._torch_reader was built against torch " + built + ", this is torch " + running;
+      return r;
+    }
+    r.read = reinterpret_cast<TorchReader>(PyCapsule_GetPointer(mod.attr("read").ptr(), kTorchReaderCapsule));
+    if (r.read == nullptr) {
+      PyErr_Clear();
+      r.why = "attnforge._torch_reader has no reader capsule";
+    } else {
+      r.why = "torch " + running;
+    }
+    return r;
+  }();
+  return lookup;
+}
+
+// A torch tensor read from its C++ object (torch_reader), then checked by from_dlpack like any DLPack tensor; false
+// for what it cannot describe (another device, dtype or rank), which the DLPack import then reports.
+bool torch_view_native(TorchReader read, nb::handle obj, const char* name, TensorView& out) {
+  TorchTensorInfo info;
+  if (!read(obj.ptr(), &info) || info.device_type == 0 || info.bits == 0 || info.ndim < 0 || info.ndim > kMaxDims)
+    return false;
+  DLTensor dl{};
+  dl.data = info.data;
+  dl.device = {info.device_type == 2 ? kDLCUDA : kDLCPU, info.device_id};
+  dl.ndim = info.ndim;
+  dl.dtype = {info.code, info.bits, 1};
+  dl.shape = info.shape;
+  dl.strides = info.strides;
+  out = from_dlpack(dl, name);
+  return true;
+}
+
 // A torch tensor read through its attributes, then checked by from_dlpack like any DLPack tensor. (About 0.6 us per
 // tensor with torch 2.15 on the dev machine, most of run()'s overhead above the C++ call: every name lookup counts.)
 bool torch_view(nb::handle obj, const char* name, TensorView& out) {
   TorchTypes& torch = torch_types();
   if (torch.tensor_type == nullptr || !PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(torch.tensor_type)))
     return false;
+  if (const TorchReader read = torch_reader().read) return torch_view_native(read, obj, name, out);
   const TorchNames& names = torch_names();
   nb::object dtype = get_attr(obj, names.dtype);
   const TorchTypes::Entry* entry = nullptr;
@@ -262,6 +330,12 @@ TensorView view_of(nb::handle obj, const char* name) {
 TensorView optional_view(nb::handle obj, const char* name) {
   if (!obj.is_valid() || obj.is_none()) return TensorView{};
   return view_of(obj, name);
+}
+
+std::string torch_reader_status() {
+  if (PyDict_GetItemString(PyImport_GetModuleDict(), "torch") == nullptr) return "not asked: torch is not imported";
+  const ReaderLookup& r = torch_reader();
+  return r.read ? "C++ (attnforge._torch_reader, " + r.why + ")" : "attributes: " + r.why;
 }
 
 }  // namespace attnforge::python

@@ -8,6 +8,8 @@
 
 #include <nanobind/nanobind.h>
 
+#include <string>
+
 #include "attnforge/tensor.h"
 
 namespace attnforge::python {
@@ -19,5 +21,9 @@ void init_arrays();
 TensorView view_of(nanobind::handle obj, const char* name);
 // None (or no object) gives an undefined view: an optional argument left out.
 TensorView optional_view(nanobind::handle obj, const char* name);
+
+// How torch tensors are read: "C++ (attnforge._torch_reader, torch <version>)" when the optional reader module is
+// built against the running torch, else "attributes: <why not the reader>". Asks once torch is imported.
+std::string torch_reader_status();
 
 }  // namespace attnforge::python

@@ -346,6 +346,8 @@ NB_MODULE(_C, m) {
 
   m.def("version", &version);
   m.def("build_info", &build_info);
+  m.def("torch_reader_status", &python::torch_reader_status,
+        "How torch tensors are read: from their C++ objects (attnforge._torch_reader) or their attributes, and why");
   m.def("cuda_available", [] {
     for (const DeviceInfo& d : available_devices())
       if (d.device.type == DeviceType::kCUDA && d.attention) return true;

@@ -49,6 +49,41 @@ def _tensors(device, *arrays):
     return tuple(one(a) for a in arrays)
 
 
+def test_tensors_read_from_their_cpp_objects(rng):
+    """With attnforge._torch_reader built against this torch, tensors are read from their C++ objects
+    (torch_reader_status says so), strided views at offsets included: q a slice of a wider tensor, out a view one
+    row into a NaN-filled one; the result matches the float64 reference and leaves the row before out alone."""
+    import importlib.util
+    if importlib.util.find_spec("attnforge._torch_reader") is None:
+        pytest.skip("attnforge._torch_reader is not built (torch was not importable at build time)")
+    status = flashinfer._C.torch_reader_status()
+    assert status.startswith("C++"), status
+    q, kv, meta, ref = _case(rng, [37, 5, 64], "cpu")
+    wide = torch.zeros(q.shape[0], HEADS, 2 * DIM, dtype=q.dtype)
+    wide[:, :, DIM:] = q
+    out_rows = torch.full((q.shape[0] + 1, HEADS, DIM), float("nan"), dtype=q.dtype)
+    wrapper = _wrapper("cpu")
+    wrapper.plan(*meta, HEADS, KV_HEADS, DIM, PAGE, q_data_type=torch.bfloat16)
+    assert wrapper.run(wide[:, :, DIM:], kv, out=out_rows[1:]).data_ptr() == out_rows[1:].data_ptr()
+    assert_close(_to_numpy(out_rows[1:]), ref, "bfloat16")
+    assert torch.isnan(out_rows[0]).all()
+
+
+def test_attribute_reads_with_the_reader_off():
+    """ATTNFORGE_TORCH_READER=0 keeps the attribute reads (the path of builds without the reader): the status says
+    so, and the eager operator cases and the strided-view case pass through it, in a child process."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(flashinfer.__file__)))  # this attnforge
+    env = dict(os.environ, ATTNFORGE_TORCH_READER="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    status = subprocess.run([sys.executable, "-c", "import torch, attnforge; print(attnforge._C.torch_reader_status())"],
+                            env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert status == "attributes: ATTNFORGE_TORCH_READER=0", status
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(here, "test_torch.py"),
+                        "-k", "test_eager_cpu"], env=env, capture_output=True, text=True, cwd=here)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 # Every operator of the package as a case: (make, call, check). make() gives fresh torch arguments (some operators
 # write into them), call(*make()) runs the operator as an engine would, check(result) compares with the float64
 # reference. Each case runs eagerly, under torch.compile(fullgraph=True), and through the dispatcher with opcheck.
