@@ -153,8 +153,9 @@ bool torch_view_native(TorchReader read, nb::handle obj, const char* name, Tenso
   return true;
 }
 
-// A torch tensor read through its attributes, then checked by from_dlpack like any DLPack tensor. (About 0.6 us per
-// tensor with torch 2.15 on the dev machine, most of run()'s overhead above the C++ call: every name lookup counts.)
+// A torch tensor read from its C++ object when attnforge._torch_reader serves this torch (torch_view_native), else
+// through its attributes, then checked by from_dlpack like any DLPack tensor. (The attribute reads cost about
+// 0.6 us per tensor with torch 2.15 on the dev machine, most of run()'s overhead above the C++ call.)
 bool torch_view(nb::handle obj, const char* name, TensorView& out) {
   TorchTypes& torch = torch_types();
   if (torch.tensor_type == nullptr || !PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(torch.tensor_type)))

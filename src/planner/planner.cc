@@ -82,11 +82,12 @@ int64_t batch_of(const BatchPlanArgs& a) {
 // order; the CPU's pool takes tasks in it), so heavy items start first and light ones fill the tail of the last
 // wave, as in list scheduling by longest processing time. Decode plans only: the prefill kernel walks a request's
 // query tiles from its last (heaviest) one, one KV head at a time, and the sorted order with heads together cost
-// the ragged prefill case 6% on the H200 (189.7 -> 178.6 TFLOP/s at 548c3f2: tiles of one head share its K/V in L2). Work is the item's query rows x the KV it reads (causal
-// tiles: up to their diagonal). A merge's pieces move together and stay consecutive, ranked by their longest
-// piece; partial rows keep their (disjoint) assignment. Ties keep request order. (A model of the decode bench's
-// Zipf batch, 64 requests totalling 256K tokens in 396 CTA slots: 7.9% slower than uniform lengths in request
-// order, 3.5% sorted; measured on the H200 at 3354b9e: 11.2%.)
+// the ragged prefill case 6% on the H200 (189.7 -> 178.6 TFLOP/s at 548c3f2: tiles of one head share its K/V in
+// L2). Work is the item's query rows x the KV it reads (causal tiles: up to their diagonal). A merge's pieces move
+// together and stay consecutive, ranked by their longest piece; partial rows keep their (disjoint) assignment.
+// Ties keep request order. (A model of the decode bench's Zipf batch, 64 requests totalling 256K tokens in 396 CTA
+// slots: 7.9% slower than uniform lengths in request order, 3.5% sorted; measured on the H200: 11.2% at 3354b9e,
+// level with uniform at 8f1b143.)
 void order_longest_first(AttentionPlan& plan) {
   const int32_t n = static_cast<int32_t>(plan.items.size());
   std::vector<int32_t> merge_of(static_cast<size_t>(n), -1);

@@ -187,7 +187,8 @@ __device__ __forceinline__ void row_kv_range(const VariantParams& vp, const Work
 
 // Streams K/V tiles of kTileTokens tokens of one request and KV head, starting at token `first` and ending
 // before `last`, into swizzled shared memory (swizzle_bytes) with cp.async. Elements are kElemBytes wide (2, or 1
-// for fp8 K/V, copied as raw codes). Each thread copies kLoadRows rows of one 16-byte chunk column. Page lookups are the only dependent global loads of the stream: fetch_pages(t) loads the page
+// for fp8 K/V, copied as raw codes). Each thread copies kLoadRows rows of one 16-byte chunk column. Page lookups
+// are the only dependent global loads of the stream: fetch_pages(t) loads the page
 // ids of tile t into registers, one tile before load(t) issues the copies, so their latency hides behind the
 // compute of a tile. Tokens past `last` are zero-filled and never read.
 // kPageSlots = 0 keeps the fetched ids in registers (kLoadRows per thread); kPageSlots = S > 0 keeps them in a
@@ -240,8 +241,8 @@ struct KVTileLoader {
   // address is two unsigned 32 x 32 -> 64-bit multiply-adds on byte strides (run() takes K/V page and token strides
   // from 0 to 2 GiB - 1 bytes), one IMAD.WIDE.U32 each; the 64-bit stride products per row were about 60
   // instructions of every row's copy (sm_90a SASS, 3354b9e).
-  // Shared slots (the prefill kernel) keep the 64-bit products: there the narrow form raised ptxas's spills at
-  // head_dim 128 from 36 to 60 bytes.
+  // Shared slots (the prefill kernel) keep the 64-bit products (on the same per-tile base): there the narrow form
+  // raised ptxas's spills at head_dim 128 from 36 to 60 bytes.
   __device__ __forceinline__ void load(int t, void* sK, void* sV) const {
     const int chunk = threadIdx.x % kChunks;
     const uint8_t* k_base = static_cast<const uint8_t*>(kv.k) + kv_head * kv.k_stride_head * kElemBytes + chunk * 16;
@@ -267,10 +268,8 @@ struct KVTileLoader {
           vsrc = v_base + (static_cast<uint64_t>(page_u) * v_page_bytes + static_cast<uint64_t>(slot_u) * v_token_bytes);
         } else {
           const int64_t page64 = page, slot64 = slot;
-          ksrc += (page64 * kv.k_stride_page + slot64 * kv.k_stride_token + kv_head * kv.k_stride_head) * kElemBytes +
-                  chunk * 16;
-          vsrc += (page64 * kv.v_stride_page + slot64 * kv.v_stride_token + kv_head * kv.v_stride_head) * kElemBytes +
-                  chunk * 16;
+          ksrc = k_base + (page64 * kv.k_stride_page + slot64 * kv.k_stride_token) * kElemBytes;
+          vsrc = v_base + (page64 * kv.v_stride_page + slot64 * kv.v_stride_token) * kElemBytes;
         }
       }
       const int dst = swizzle_bytes<kRowBytes>(r, chunk);
