@@ -162,9 +162,8 @@ TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
 // prefill kernel will be built on: an ELF cubin naming both kernels, no spill.
 TEST(JitCompile, WgmmaProbeKernelsForSm90a) {
   const CompiledModule m = compile(attnforge::testing::wgmma_probe_source());
-  ASSERT_EQ(m.lowered_names.size(), 2u);
-  EXPECT_FALSE(m.lowered_names[0].empty());
-  EXPECT_FALSE(m.lowered_names[1].empty());
+  ASSERT_EQ(m.lowered_names.size(), std::size(attnforge::testing::kWgmmaProbes));
+  for (const std::string& name : m.lowered_names) EXPECT_FALSE(name.empty());
   ASSERT_GE(m.binary.size(), 4u);
   EXPECT_EQ(m.binary.compare(0, 4, "\x7f" "ELF"), 0);
   EXPECT_EQ(m.log.find("spill"), std::string::npos) << m.log;

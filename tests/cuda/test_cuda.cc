@@ -482,23 +482,23 @@ TEST(CudaFuzz, RandomBatches) {
 }
 
 // The wgmma building blocks (backends/cuda/device/wgmma.cuh: the 128-byte swizzle, the K-major and MN-major
-// descriptors, the register-A form) on a Hopper GPU: the probe kernels' 64 x 64 x 64 products against float64 on
-// fresh random bf16 inputs, outputs poisoned with NaN first. The bound is fp32 accumulation's, n u sum |a b| with
-// n = 64 and u = 2^-22 (tensor cores add with less than IEEE fp32's rounding); a wrong layout or descriptor is off
-// by the size of the products themselves.
+// descriptors over one and two 64-element panels, the register-A form, N = 64 and 128) on a Hopper GPU: the probe
+// kernels' products (tests/wgmma_probe.h) against float64 on fresh random bf16 inputs, outputs poisoned with NaN
+// first. The bound is fp32 accumulation's, n u sum |a b| with n = K and u = 2^-22 (tensor cores add with less than
+// IEEE fp32's rounding); a wrong layout or descriptor is off by the size of the products themselves.
 TEST(CudaWgmma, ProbeProductsMatchFloat64) {
+  using attnforge::testing::kProbeLd;
+  using attnforge::testing::kWgmmaProbes;
   int device = 0, major = 0;
   ASSERT_EQ(cudaSuccess, cudaGetDevice(&device));
   ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   if (major != 9) GTEST_SKIP() << "wgmma runs on sm_90 only";
   ASSERT_EQ(cudaSuccess, cudaFree(nullptr));  // the primary context, current for the driver calls below
   const jit::CompiledModule m = jit::compile(attnforge::testing::wgmma_probe_source());
-  ASSERT_EQ(m.lowered_names.size(), 2u);
+  ASSERT_EQ(m.lowered_names.size(), std::size(kWgmmaProbes));
   const cuda::DriverApi& d = cuda::driver();
   CUmodule module;
   ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, m.binary.data()));
-  CUfunction kernels[2];
-  for (int i = 0; i < 2; ++i) ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&kernels[i], module, m.lowered_names[i].c_str()));
 
   std::mt19937 rng(5);
   std::normal_distribution<float> normal;
@@ -513,36 +513,41 @@ TEST(CudaWgmma, ProbeProductsMatchFloat64) {
     std::memcpy(&x, &u, 4);
     return static_cast<double>(x);
   };
-  std::vector<uint16_t> a(64 * 64), b(64 * 64);
+  const size_t elems = 128 * kProbeLd;  // every operand and the output fit [128][kProbeLd]
+  std::vector<uint16_t> a(elems), b(elems);
   for (uint16_t& x : a) x = to_bf16(normal(rng));
   for (uint16_t& x : b) x = to_bf16(normal(rng));
   void *da = nullptr, *db = nullptr, *dc = nullptr;
-  ASSERT_EQ(cudaSuccess, cudaMalloc(&da, a.size() * 2));
-  ASSERT_EQ(cudaSuccess, cudaMalloc(&db, b.size() * 2));
-  ASSERT_EQ(cudaSuccess, cudaMalloc(&dc, 64 * 64 * sizeof(float)));
-  ASSERT_EQ(cudaSuccess, cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice));
-  ASSERT_EQ(cudaSuccess, cudaMemcpy(db, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
-  for (int kernel = 0; kernel < 2; ++kernel) {
-    SCOPED_TRACE(kernel == 0 ? "wgmma_probe_ss: A B^T, both from shared memory" : "wgmma_probe_rs: A (registers) V");
-    ASSERT_EQ(cudaSuccess, cudaMemset(dc, 0xff, 64 * 64 * sizeof(float)));  // NaN
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&da, elems * 2));
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&db, elems * 2));
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&dc, elems * sizeof(float)));
+  ASSERT_EQ(cudaSuccess, cudaMemcpy(da, a.data(), elems * 2, cudaMemcpyHostToDevice));
+  ASSERT_EQ(cudaSuccess, cudaMemcpy(db, b.data(), elems * 2, cudaMemcpyHostToDevice));
+  for (size_t probe = 0; probe < std::size(kWgmmaProbes); ++probe) {
+    const attnforge::testing::WgmmaProbe& pr = kWgmmaProbes[probe];
+    SCOPED_TRACE(pr.name);
+    CUfunction f;
+    ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&f, module, m.lowered_names[probe].c_str()));
+    ASSERT_EQ(cudaSuccess, cudaMemset(dc, 0xff, elems * sizeof(float)));  // NaN
     void* args[] = {&da, &db, &dc};
-    ATTNFORGE_CU_CHECK(d.cuLaunchKernel(kernels[kernel], 1, 1, 1, 128, 1, 1, 0, nullptr, args, nullptr));
+    ATTNFORGE_CU_CHECK(d.cuLaunchKernel(f, 1, 1, 1, 128, 1, 1, 0, nullptr, args, nullptr));
     ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
-    std::vector<float> c(64 * 64);
-    ASSERT_EQ(cudaSuccess, cudaMemcpy(c.data(), dc, c.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    std::vector<float> c(elems);
+    ASSERT_EQ(cudaSuccess, cudaMemcpy(c.data(), dc, elems * sizeof(float), cudaMemcpyDeviceToHost));
     int bad = 0;
-    for (int i = 0; i < 64; ++i)
-      for (int j = 0; j < 64; ++j) {
+    for (int i = 0; i < pr.m; ++i)
+      for (int j = 0; j < pr.n; ++j) {
         double ref = 0, mag = 0;
-        for (int k = 0; k < 64; ++k) {
-          const double x = value(a[i * 64 + k]) * value(kernel == 0 ? b[j * 64 + k] : b[k * 64 + j]);
+        for (int k = 0; k < pr.k; ++k) {
+          const uint16_t bk = pr.b_k_major ? b[j * kProbeLd + k] : b[k * kProbeLd + j];
+          const double x = value(a[i * kProbeLd + k]) * value(bk);
           ref += x, mag += std::fabs(x);
         }
-        const double got = c[i * 64 + j];
-        if (!(std::fabs(got - ref) <= 64 * std::ldexp(mag, -22)) && ++bad <= 5)
+        const double got = c[i * kProbeLd + j];
+        if (!(std::fabs(got - ref) <= pr.k * std::ldexp(mag, -22)) && ++bad <= 5)
           ADD_FAILURE() << "c[" << i << "][" << j << "] = " << got << ", float64 " << ref << " (sum |ab| " << mag << ")";
       }
-    EXPECT_EQ(bad, 0) << bad << " of 4096 elements outside the bound";
+    EXPECT_EQ(bad, 0) << bad << " of " << pr.m * pr.n << " elements outside the bound";
   }
   cudaFree(da), cudaFree(db), cudaFree(dc);
   ATTNFORGE_CU_CHECK(d.cuModuleUnload(module));
