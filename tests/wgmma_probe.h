@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(128) wgmma_probe_ss64(const uint16_t* a, const
   wgmma::fence();
   for (int k = 0; k < 4; ++k)
     wgmma::m64n64k16_ss(d, wgmma::k_major(smem_address(sa), k), wgmma::k_major(smem_address(sb), k), k > 0,
-                        wgmma::Bf16Tag{});
+                        Bf16{});
   wgmma::commit();
   wgmma::wait<0>();
   store_d<64>(d, c);
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(128) wgmma_probe_rs64(const uint16_t* a, const
   for (int i = 0; i < 32; ++i) d[i] = 0.f;
   wgmma::fence();
   for (int k = 0; k < 4; ++k)
-    wgmma::m64n64k16_rs_tb(d, f[k], wgmma::mn_major(smem_address(sv), k, 64 * 128), k > 0, wgmma::Bf16Tag{});
+    wgmma::m64n64k16_rs_tb(d, f[k], wgmma::mn_major(smem_address(sv), k, 64 * 128), k > 0, Bf16{});
   wgmma::commit();
   wgmma::wait<0>();
   store_d<64>(d, c);
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(128) wgmma_probe_ss128(const uint16_t* a, cons
   wgmma::fence();
   for (int k = 0; k < 8; ++k)
     wgmma::m64n128k16_ss(d, wgmma::k_major(smem_address(sa[k / 4]), k % 4),
-                         wgmma::k_major(smem_address(sb[k / 4]), k % 4), k > 0, wgmma::Bf16Tag{});
+                         wgmma::k_major(smem_address(sb[k / 4]), k % 4), k > 0, Bf16{});
   wgmma::commit();
   wgmma::wait<0>();
   store_d<128>(d, c);
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(128) wgmma_probe_rs128(const uint16_t* a, cons
   for (int i = 0; i < 64; ++i) d[i] = 0.f;
   wgmma::fence();
   for (int k = 0; k < 4; ++k)
-    wgmma::m64n128k16_rs_tb(d, f[k], wgmma::mn_major(smem_address(sv[0]), k, 64 * 128), k > 0, wgmma::Bf16Tag{});
+    wgmma::m64n128k16_rs_tb(d, f[k], wgmma::mn_major(smem_address(sv[0]), k, 64 * 128), k > 0, Bf16{});
   wgmma::commit();
   wgmma::wait<0>();
   store_d<128>(d, c);

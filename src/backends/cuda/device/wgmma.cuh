@@ -10,6 +10,7 @@
 #pragma once
 
 #include "attnforge/kernel/types.h"
+#include "backends/cuda/device/ptx.cuh"
 
 namespace attnforge::cuda::wgmma {
 
@@ -86,22 +87,20 @@ __device__ __forceinline__ void wait() {
                : ATTNFORGE_WGMMA_D32                                                                              \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)))
 
-struct Bf16Tag {};
-struct F16Tag {};
-
-__device__ __forceinline__ void m64n64k16_ss(float d[32], uint64_t a, uint64_t b, bool accumulate, Bf16Tag) {
+// Element types: the Bf16 and F16 tags of ptx.cuh.
+__device__ __forceinline__ void m64n64k16_ss(float d[32], uint64_t a, uint64_t b, bool accumulate, Bf16) {
   ATTNFORGE_WGMMA_SS("bf16");
 }
-__device__ __forceinline__ void m64n64k16_ss(float d[32], uint64_t a, uint64_t b, bool accumulate, F16Tag) {
+__device__ __forceinline__ void m64n64k16_ss(float d[32], uint64_t a, uint64_t b, bool accumulate, F16) {
   ATTNFORGE_WGMMA_SS("f16");
 }
 // B MN-major (O = P V with V rows in shared memory).
 __device__ __forceinline__ void m64n64k16_rs_tb(float d[32], const uint32_t a[4], uint64_t b, bool accumulate,
-                                                Bf16Tag) {
+                                                Bf16) {
   ATTNFORGE_WGMMA_RS("bf16", "1");
 }
 __device__ __forceinline__ void m64n64k16_rs_tb(float d[32], const uint32_t a[4], uint64_t b, bool accumulate,
-                                                F16Tag) {
+                                                F16) {
   ATTNFORGE_WGMMA_RS("f16", "1");
 }
 // The same with N = 128 (64 accumulator registers: n8 blocks j = 0 .. 15): S over 128-token K tiles, O = P V at
@@ -134,18 +133,18 @@ __device__ __forceinline__ void m64n64k16_rs_tb(float d[32], const uint32_t a[4]
                : ATTNFORGE_WGMMA_D64                                                                              \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)))
 
-__device__ __forceinline__ void m64n128k16_ss(float d[64], uint64_t a, uint64_t b, bool accumulate, Bf16Tag) {
+__device__ __forceinline__ void m64n128k16_ss(float d[64], uint64_t a, uint64_t b, bool accumulate, Bf16) {
   ATTNFORGE_WGMMA_SS128("bf16");
 }
-__device__ __forceinline__ void m64n128k16_ss(float d[64], uint64_t a, uint64_t b, bool accumulate, F16Tag) {
+__device__ __forceinline__ void m64n128k16_ss(float d[64], uint64_t a, uint64_t b, bool accumulate, F16) {
   ATTNFORGE_WGMMA_SS128("f16");
 }
 __device__ __forceinline__ void m64n128k16_rs_tb(float d[64], const uint32_t a[4], uint64_t b, bool accumulate,
-                                                 Bf16Tag) {
+                                                 Bf16) {
   ATTNFORGE_WGMMA_RS128("bf16", "1");
 }
 __device__ __forceinline__ void m64n128k16_rs_tb(float d[64], const uint32_t a[4], uint64_t b, bool accumulate,
-                                                 F16Tag) {
+                                                 F16) {
   ATTNFORGE_WGMMA_RS128("f16", "1");
 }
 #undef ATTNFORGE_WGMMA_SS128

@@ -3,12 +3,17 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "attnforge/error.h"
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/kernel_config.h"
 #include "backends/cuda/merge/merge.h"
 #include "backends/cuda/prefill/prefill.h"
 #include "backends/cuda/prefill/prefill_kernel.cuh"
+#include "backends/cuda/prefill/prefill_wgmma.cuh"
 
 namespace attnforge::cuda {
 
@@ -71,6 +76,56 @@ void launch_variant(const AttentionParams& p, const KernelDims& dims, cudaStream
   launch_rope<D, prefill_rows(D)>(p, dims, stream);
 }
 
+// The Hopper kernel (prefill_wgmma.cuh), opt-in until it has run against the reference on an H200:
+// ATTNFORGE_PREFILL_WGMMA=1 sends the plans it serves (head_dim 64 or 128, 16-bit K/V in Q's type, the 128-row
+// tile, no RoPE) to it on compute capability 9.0; every other plan, and every plan without the setting, runs
+// prefill_kernel.
+bool wgmma_requested() {
+  static const bool on = [] {
+    const char* v = std::getenv("ATTNFORGE_PREFILL_WGMMA");
+    if (v && std::string(v) != "0" && std::string(v) != "1")
+      throw Error(ErrorKind::kInvalidArgument, "ATTNFORGE_PREFILL_WGMMA=" + std::string(v) + ": expected 0 or 1");
+    return v && std::string(v) == "1";
+  }();
+  return on;
+}
+
+bool on_sm90() {
+  static PerDevice sm90;  // 2: compute capability 9.0, 1: other (0 is PerDevice's "not yet asked")
+  return sm90.get([] {
+    int device = 0, major = 0, minor = 0;
+    ATTNFORGE_CUDA_CHECK(cudaGetDevice(&device));
+    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    return major == 9 && minor == 0 ? 2 : 1;
+  }) == 2;
+}
+
+template <int D, typename Elem>
+void launch_wgmma(const AttentionParams& p, KernelDims dims, cudaStream_t stream) {
+  using Tr = PrefillWgmmaTraits<D, Elem>;
+  static PerDevice configured;
+  configured.get([] { return configure_kernel(prefill_wgmma_kernel<Tr>, Tr::kThreads, Tr::kSmemBytes); });
+  dims.block = dim3(Tr::kThreads);
+  dims.smem_bytes = Tr::kSmemBytes;
+  prefill_wgmma_kernel<Tr><<<dims.grid, dims.block, dims.smem_bytes, stream>>>(p);
+  ATTNFORGE_CUDA_CHECK(cudaGetLastError());
+}
+
+// Launches the Hopper kernel when it is requested and serves the plan; false otherwise.
+bool launch_prefill_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
+  const int d = p.head_dim_qk;
+  if (!wgmma_requested() || !on_sm90() || (d != 64 && d != 128) || p.head_dim_vo != d || p.variant.rope.enabled ||
+      p.kv.dtype != p.q_dtype || prefill_plan_rows(p) != prefill_rows(d))
+    return false;
+  const bool bf16 = p.q_dtype == DType::kBFloat16;
+  if (d == 64)
+    bf16 ? launch_wgmma<64, Bf16>(p, dims, stream) : launch_wgmma<64, F16>(p, dims, stream);
+  else
+    bf16 ? launch_wgmma<128, Bf16>(p, dims, stream) : launch_wgmma<128, F16>(p, dims, stream);
+  return true;
+}
+
 }  // namespace
 
 KernelAttributes prefill_attributes(int head_dim, int stage_tokens, int rows) {
@@ -107,6 +162,7 @@ int prefill_ctas_per_sm(int head_dim) {
 
 void run_prefill(const AttentionParams& p, cudaStream_t stream) {
   const LaunchConfig c = prefill_launch_config(p, prefill_tile_tokens(p.head_dim_qk), prefill_plan_rows(p));
+  if (launch_prefill_wgmma(p, c.attention, stream)) return run_merge(p, stream);
   switch (p.head_dim_qk) {
     case 64: launch_variant<64>(p, c.attention, stream); break;
     case 128: launch_variant<128>(p, c.attention, stream); break;
