@@ -194,6 +194,30 @@ __device__ __forceinline__ void row_kv_range(const VariantParams& vp, const Work
   if (r >= rows) *hi = *lo;
 }
 
+// Over the lanes of a warp: the union [lo, hi) of the rows' KV ranges and their intersection [max_lo, min_hi).
+__device__ __forceinline__ void warp_kv_bounds(int& lo, int& hi, int& max_lo, int& min_hi) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    max_lo = max(max_lo, __shfl_xor_sync(0xffffffffu, max_lo, o));
+    min_hi = min(min_hi, __shfl_xor_sync(0xffffffffu, min_hi, o));
+  }
+}
+
+// A logit x = q.k of the built-in options at key j, in log2 units: soft-cap and ALiBi when `transform`, the
+// custom mask; -inf where the key is not allowed.
+__device__ __forceinline__ float builtin_logit(const VariantParams& vp, const KVParams& kv, float x, bool allowed,
+                                               bool transform, float scale_log2, int request, int q_tok, int q_head,
+                                               int q_pos, int j, int kv_len) {
+  if (allowed && transform)
+    x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, q_head, q_pos, j) * kLog2e;
+  else
+    x *= scale_log2;
+  if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, request, q_tok, j, kv_len);
+  return allowed ? x : -ATTNFORGE_INFINITY;
+}
+
 // Streams K/V tiles of kTileTokens tokens of one request and KV head, starting at token `first` and ending
 // before `last`, into swizzled shared memory (swizzle_bytes) with cp.async. Elements are kElemBytes wide (2, or 1
 // for fp8 K/V, copied as raw codes). Each thread copies kLoadRows rows of one 16-byte chunk column. Page lookups

@@ -85,13 +85,7 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
       if (r < rows) w_max_lo = max(w_max_lo, lo), w_min_hi = min(w_min_hi, hi);
       if (lo < hi) w_lo = min(w_lo, lo), w_hi = max(w_hi, hi);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      w_lo = min(w_lo, __shfl_xor_sync(0xffffffffu, w_lo, o));
-      w_hi = max(w_hi, __shfl_xor_sync(0xffffffffu, w_hi, o));
-      w_max_lo = max(w_max_lo, __shfl_xor_sync(0xffffffffu, w_max_lo, o));
-      w_min_hi = min(w_min_hi, __shfl_xor_sync(0xffffffffu, w_min_hi, o));
-    }
+    warp_kv_bounds(w_lo, w_hi, w_max_lo, w_min_hi);
     if (lane == 0) s_bounds[0][warp] = w_lo, s_bounds[1][warp] = w_hi;
     __syncthreads();
     int range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
@@ -163,14 +157,8 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
 #pragma unroll
             for (int e = 2 * h; e < 2 * h + 2; ++e) {
               const int j = tile_start + n * 8 + 2 * (lane % 4) + (e % 2);
-              float x = s_acc[4 * n + e];
-              bool allowed = j >= lo && j < hi;
-              if (allowed && transform)
-                x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, q.head, q_pos, j) * kLog2e;
-              else
-                x *= scale_log2;
-              if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, q.tok, j, kv_len);
-              x = allowed ? x : -ATTNFORGE_INFINITY;
+              const float x = builtin_logit(vp, kv, s_acc[4 * n + e], j >= lo && j < hi, transform, scale_log2, b,
+                                            q.tok, q.head, q_pos, j, kv_len);
               s_acc[4 * n + e] = x;
               tile_max[h] = fmaxf(tile_max[h], x);
             }
@@ -227,25 +215,8 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
       const QueryRow q = query_row(it, row0 + r, group, kv_head);
       float lse, f;
       row_scale<true>(vp, q.head, m_run[h], l, kv.v_scale, it.partial_row < 0, &lse, &f);
-      if (it.partial_row < 0) {
-        const int64_t base = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          const int col = n * 8 + 2 * (lane % 4);
-          store_element(p.o, p.o_dtype, base + col, o_acc[4 * n + 2 * h] * f);
-          store_element(p.o, p.o_dtype, base + col + 1, o_acc[4 * n + 2 * h + 1] * f);
-        }
-        if (p.lse && lane % 4 == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
-      } else {
-        const int64_t prow = static_cast<int64_t>(it.partial_row) + (q.tok - it.qo_begin);
-        float* dst = plan.partial_o + (prow * p.num_qo_heads + q.head) * D;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          const int col = n * 8 + 2 * (lane % 4);
-          *reinterpret_cast<float2*>(dst + col) = make_float2(o_acc[4 * n + 2 * h] * f, o_acc[4 * n + 2 * h + 1] * f);
-        }
-        if (lane % 4 == 0) plan.partial_lse[prow * p.num_qo_heads + q.head] = lse;
-      }
+      store_quad_row<D>(p, it, q, qo_start, f, lse,
+                        [&](int n) { return make_float2(o_acc[4 * n + 2 * h], o_acc[4 * n + 2 * h + 1]); });
     }
     __syncthreads();  // shared memory (Q, stages, bounds, page ids) is reused by the next item
   }
