@@ -101,11 +101,17 @@ bool on_sm90() {
   }) == 2;
 }
 
+// Sets the Hopper kernel's attributes once per instantiation and device; returns the CTAs one SM holds (one).
+template <class Tr>
+int configure_wgmma() {
+  static PerDevice configured;
+  return configured.get([] { return configure_kernel(prefill_wgmma_kernel<Tr>, Tr::kThreads, Tr::kSmemBytes); });
+}
+
 template <int D, typename Elem>
 void launch_wgmma(const AttentionParams& p, KernelDims dims, cudaStream_t stream) {
   using Tr = PrefillWgmmaTraits<D, Elem>;
-  static PerDevice configured;
-  configured.get([] { return configure_kernel(prefill_wgmma_kernel<Tr>, Tr::kThreads, Tr::kSmemBytes); });
+  configure_wgmma<Tr>();
   dims.block = dim3(Tr::kThreads);
   dims.smem_bytes = Tr::kSmemBytes;
   prefill_wgmma_kernel<Tr><<<dims.grid, dims.block, dims.smem_bytes, stream>>>(p);
@@ -152,6 +158,12 @@ LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens, i
 }
 
 int prefill_ctas_per_sm(int head_dim) {
+  // The Hopper kernel, when it serves this head dim, holds one CTA per SM: the planner's split targets follow it
+  // (also for the plans that still run prefill_kernel with the setting on: RoPE, 64-row tiles; they split less).
+  if (wgmma_requested() && on_sm90()) {
+    if (head_dim == 64) return configure_wgmma<PrefillWgmmaTraits<64, Bf16>>();
+    if (head_dim == 128) return configure_wgmma<PrefillWgmmaTraits<128, Bf16>>();
+  }
   switch (head_dim) {  // bf16 and fp16 instantiations use the same registers and shared memory
     case 64: return configure<PrefillTraits<64, Bf16>>();
     case 128: return configure<PrefillTraits<128, Bf16>>();
