@@ -21,6 +21,7 @@
 #include "attnforge/variant.h"
 #include "backends/cuda/driver_api.h"
 #include "backends/cuda/nccl_api.h"
+#include "backends/cuda/prefill/prefill.h"
 #include "jit/nvrtc_compiler.h"
 #include "testing/compare.h"
 #include "testing/device_case.h"
@@ -553,6 +554,36 @@ TEST(CudaWgmma, ProbeProductsMatchFloat64) {
   ATTNFORGE_CU_CHECK(d.cuModuleUnload(module));
 }
 
+// Which plans the Hopper prefill kernel takes under each setting: by default head_dim 128's 128-row tiles on
+// compute capability 9.0 only, head_dim 64 too when forced on, none when off; never the 64-row tiles.
+TEST(CudaWgmma, PrefillKernelSelectionFollowsTheSetting) {
+  int device = 0, major = 0, minor = 0;
+  ASSERT_EQ(cudaSuccess, cudaGetDevice(&device));
+  ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  const bool sm90 = major == 9 && minor == 0;
+  const cuda::PrefillWgmma before = cuda::prefill_wgmma();
+  cuda::set_prefill_wgmma(cuda::PrefillWgmma::kAuto);
+  EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(128, 128));
+  EXPECT_FALSE(cuda::prefill_wgmma_serves(128, 64));
+  EXPECT_FALSE(cuda::prefill_wgmma_serves(64, 128));
+  EXPECT_FALSE(cuda::prefill_wgmma_serves(256, 64));
+  cuda::set_prefill_wgmma(cuda::PrefillWgmma::kOn);
+  EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(64, 128));
+  EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(128, 128));
+  EXPECT_FALSE(cuda::prefill_wgmma_serves(64, 64));
+  cuda::set_prefill_wgmma(cuda::PrefillWgmma::kOff);
+  EXPECT_FALSE(cuda::prefill_wgmma_serves(128, 128));
+  // Plans of 128-row tiles the Hopper kernel takes are balanced over its one CTA per SM.
+  if (sm90) {
+    const int portable = cuda::prefill_ctas_per_sm(128, 128);
+    cuda::set_prefill_wgmma(cuda::PrefillWgmma::kAuto);
+    EXPECT_EQ(1, cuda::prefill_ctas_per_sm(128, 128));
+    EXPECT_EQ(portable, cuda::prefill_ctas_per_sm(128, 64));
+  }
+  cuda::set_prefill_wgmma(before);
+}
+
 // Runs of one uploaded plan on one workspace, one after another, must each be right and bit-identical: nothing a
 // run leaves in the workspace (partial states, metadata) may leak into the next.
 TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
@@ -720,12 +751,15 @@ TEST(CudaGraph, CaptureReplanReplayAcrossMergeShapes) {
 
 // Runs every case with the nvcc-compiled and with the NVRTC-compiled kernels (plan and run each time): both match
 // the float64 reference, and their outputs and LSE are the same bits. Kernels compile into a temporary cache; the
-// selected build is restored at the end (the later tests run with it).
+// selected build is restored at the end (the later tests run with it). The nvcc build runs its portable prefill
+// kernel, the one NVRTC compiles (the Hopper prefill kernel is nvcc-only; its own cases check it).
 void expect_nvrtc_bits_of_nvcc(const std::vector<CaseSpec>& specs) {
   char tmpl[] = "/tmp/attnforge-cuda-jit-XXXXXX";
   ASSERT_NE(nullptr, mkdtemp(tmpl));
   jit::set_cache_dir(tmpl);
   const jit::CudaKernels selected = jit::cuda_kernels();
+  const cuda::PrefillWgmma wgmma = cuda::prefill_wgmma();
+  cuda::set_prefill_wgmma(cuda::PrefillWgmma::kOff);
   for (const CaseSpec& s : specs) {
     Case c = make_case(s);
     DeviceCase dev(c);
@@ -749,6 +783,7 @@ void expect_nvrtc_bits_of_nvcc(const std::vector<CaseSpec>& specs) {
     EXPECT_TRUE(nvcc.second == nvrtc.second) << "LSE differs between the nvcc and NVRTC builds; case: " << s.describe();
   }
   jit::set_cuda_kernels(selected);
+  cuda::set_prefill_wgmma(wgmma);
   jit::set_cache_dir("");
   std::filesystem::remove_all(tmpl);
 }

@@ -230,7 +230,12 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
       if (r_lo[h] < r_hi[h]) range_lo = min(range_lo, r_lo[h]), range_hi = max(range_hi, r_hi[h]);
     }
     // Every lane holds two of the 16 rows and lanes 0..31 cover all of them: a warp reduction gives the union.
-    warp_kv_bounds(range_lo, range_hi, max_lo, min_hi);
+    for (int o = 16; o > 0; o >>= 1) {
+      range_lo = min(range_lo, __shfl_xor_sync(0xffffffffu, range_lo, o));
+      range_hi = max(range_hi, __shfl_xor_sync(0xffffffffu, range_hi, o));
+      max_lo = max(max_lo, __shfl_xor_sync(0xffffffffu, max_lo, o));
+      min_hi = min(min_hi, __shfl_xor_sync(0xffffffffu, min_hi, o));
+    }
     const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + Tr::kTileTokens - 1) / Tr::kTileTokens : 0;
 
     KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes> loader(kv, b, kv_head,
@@ -388,7 +393,12 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
               // Without softmax, p = the transformed logit and a left-out key adds nothing.
               x = kSoftmax ? (allowed ? x * kLog2e : -ATTNFORGE_INFINITY) : (allowed ? x : 0.f);
             } else {
-              x = builtin_logit(vp, kv, x, allowed, transform, scale_log2, b, r_tok[h], r_head[h], r_pos[h], j, kv_len);
+              if (allowed && transform)
+                x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, r_head[h], r_pos[h], j) * kLog2e;
+              else
+                x *= scale_log2;
+              if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, r_tok[h], j, kv_len);
+              x = allowed ? x : -ATTNFORGE_INFINITY;
             }
             s_acc[nt][e] = x;
             tile_max[h] = fmaxf(tile_max[h], x);

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -76,20 +77,6 @@ void launch_variant(const AttentionParams& p, const KernelDims& dims, cudaStream
   launch_rope<D, prefill_rows(D)>(p, dims, stream);
 }
 
-// The Hopper kernel (prefill_wgmma.cuh), opt-in until it has run against the reference on an H200:
-// ATTNFORGE_PREFILL_WGMMA=1 sends the plans it serves (head_dim 64 or 128, 16-bit K/V in Q's type, the 128-row
-// tile, no RoPE) to it on compute capability 9.0; every other plan, and every plan without the setting, runs
-// prefill_kernel.
-bool wgmma_requested() {
-  static const bool on = [] {
-    const char* v = std::getenv("ATTNFORGE_PREFILL_WGMMA");
-    if (v && std::string(v) != "0" && std::string(v) != "1")
-      throw Error(ErrorKind::kInvalidArgument, "ATTNFORGE_PREFILL_WGMMA=" + std::string(v) + ": expected 0 or 1");
-    return v && std::string(v) == "1";
-  }();
-  return on;
-}
-
 bool on_sm90() {
   static PerDevice sm90;  // 2: compute capability 9.0, 1: other (0 is PerDevice's "not yet asked")
   return sm90.get([] {
@@ -99,6 +86,17 @@ bool on_sm90() {
     ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     return major == 9 && minor == 0 ? 2 : 1;
   }) == 2;
+}
+
+// Read on every launch and plan, so an atomic; the environment is read once.
+std::atomic<int> wgmma_override{-1};
+PrefillWgmma wgmma_from_env() {
+  const char* v = std::getenv("ATTNFORGE_PREFILL_WGMMA");
+  const std::string s = v ? v : "";
+  if (s.empty() || s == "auto") return PrefillWgmma::kAuto;
+  if (s == "0") return PrefillWgmma::kOff;
+  if (s == "1") return PrefillWgmma::kOn;
+  throw Error(ErrorKind::kInvalidArgument, "ATTNFORGE_PREFILL_WGMMA '" + s + "': expected one of {auto, 0, 1}");
 }
 
 // Sets the Hopper kernel's attributes once per instantiation and device; returns the CTAs one SM holds (one).
@@ -121,8 +119,8 @@ void launch_wgmma(const AttentionParams& p, KernelDims dims, cudaStream_t stream
 // Launches the Hopper kernel when it is requested and serves the plan; false otherwise.
 bool launch_prefill_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
   const int d = p.head_dim_qk;
-  if (!wgmma_requested() || !on_sm90() || (d != 64 && d != 128) || p.head_dim_vo != d || p.variant.rope.enabled ||
-      p.kv.dtype != p.q_dtype || prefill_plan_rows(p) != prefill_rows(d))
+  if (!prefill_wgmma_serves(d, prefill_plan_rows(p)) || p.head_dim_vo != d || p.variant.rope.enabled ||
+      p.kv.dtype != p.q_dtype)
     return false;
   const bool bf16 = p.q_dtype == DType::kBFloat16;
   if (d == 64)
@@ -157,13 +155,27 @@ LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens, i
   return c;
 }
 
-int prefill_ctas_per_sm(int head_dim) {
-  // The Hopper kernel, when it serves this head dim, holds one CTA per SM: the planner's split targets follow it
-  // (also for the plans that still run prefill_kernel with the setting on: RoPE, 64-row tiles; they split less).
-  if (wgmma_requested() && on_sm90()) {
-    if (head_dim == 64) return configure_wgmma<PrefillWgmmaTraits<64, Bf16>>();
-    if (head_dim == 128) return configure_wgmma<PrefillWgmmaTraits<128, Bf16>>();
-  }
+void set_prefill_wgmma(PrefillWgmma mode) { wgmma_override.store(static_cast<int>(mode)); }
+PrefillWgmma prefill_wgmma() {
+  const int o = wgmma_override.load(std::memory_order_relaxed);
+  if (o >= 0) return static_cast<PrefillWgmma>(o);
+  static const PrefillWgmma from_env = wgmma_from_env();
+  return from_env;
+}
+
+bool prefill_wgmma_serves(int head_dim, int rows) {
+  const PrefillWgmma mode = prefill_wgmma();
+  if (mode == PrefillWgmma::kOff || rows != prefill_rows(head_dim)) return false;
+  if (head_dim != 128 && (head_dim != 64 || mode != PrefillWgmma::kOn)) return false;
+  return on_sm90();
+}
+
+int prefill_ctas_per_sm(int head_dim, int rows) {
+  // The Hopper kernel holds one CTA per SM where it serves the plan's tiles; the planner's split targets follow
+  // it. (A plan with RoPE still runs prefill_kernel, two CTAs per SM, on these targets: it splits less.)
+  if (prefill_wgmma_serves(head_dim, rows))
+    return head_dim == 64 ? configure_wgmma<PrefillWgmmaTraits<64, Bf16>>()
+                          : configure_wgmma<PrefillWgmmaTraits<128, Bf16>>();
   switch (head_dim) {  // bf16 and fp16 instantiations use the same registers and shared memory
     case 64: return configure<PrefillTraits<64, Bf16>>();
     case 128: return configure<PrefillTraits<128, Bf16>>();
