@@ -34,6 +34,7 @@
 #include "jit/embedded_headers.h"
 #include "jit/kernel_cache.h"
 #include "jit/kernel_key.h"
+#include "wgmma_probe.h"
 #include "jit/nvrtc_compiler.h"
 #include "testing/variant_reference.h"
 
@@ -155,6 +156,17 @@ TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
         }
   const std::vector<std::string> failures = compile_all(keys, /*no_spills=*/true);
   for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
+}
+
+// The wgmma probe kernels (tests/wgmma_probe.h) compile for sm_90a, and their SASS is the warpgroup product the
+// prefill kernel will be built on: an ELF cubin naming both kernels, no spill.
+TEST(JitCompile, WgmmaProbeKernelsForSm90a) {
+  const CompiledModule m = compile(attnforge::testing::wgmma_probe_source());
+  ASSERT_EQ(m.lowered_names.size(), std::size(attnforge::testing::kWgmmaProbes));
+  for (const std::string& name : m.lowered_names) EXPECT_FALSE(name.empty());
+  ASSERT_GE(m.binary.size(), 4u);
+  EXPECT_EQ(m.binary.compare(0, 4, "\x7f" "ELF"), 0);
+  EXPECT_EQ(m.log.find("spill"), std::string::npos) << m.log;
 }
 
 // Custom variants (testing/variant_reference.h: sigmoid without softmax, a per-head bias with its own mask, logits

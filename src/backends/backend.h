@@ -16,8 +16,9 @@ class Backend {
   virtual const char* name() const = 0;
   // Whether this backend runs `config`, and if not, why.
   virtual Support check(const AttentionConfig& config) const = 0;
-  // Parallel workers plan() balances over for this shape and kind of plan (CPU threads; SMs x resident CTAs).
-  virtual int32_t num_workers(const AttentionShape& shape, PlanKind kind) const = 0;
+  // Parallel workers plan() balances over for this shape and kind of plan (CPU threads; SMs x resident CTAs of
+  // the kernel that runs it). `tile_rows`: the prefill plan's packed query rows per tile (0 for decode plans).
+  virtual int32_t num_workers(const AttentionShape& shape, PlanKind kind, int32_t tile_rows) const = 0;
   // Shortest KV piece worth splitting off: below it a split's partial-state write and merge cost more than the
   // parallelism gains.
   virtual int32_t min_split_tokens() const { return 256; }

@@ -56,7 +56,7 @@ std::string build_info() {
 #endif
                      __cplusplus / 100 % 100,
 #if ATTNFORGE_WITH_CUDA
-                     "on (sm_80, sm_90a; batch decode and prefill)"
+                     "on (" ATTNFORGE_CUDA_ARCHS_TEXT "; batch decode and prefill)"
 #else
                      "off"
 #endif

@@ -19,11 +19,15 @@
 #include "attnforge/context_parallel.h"
 #include "attnforge/jit.h"
 #include "attnforge/variant.h"
+#include "backends/cuda/driver_api.h"
 #include "backends/cuda/nccl_api.h"
+#include "backends/cuda/prefill/prefill.h"
+#include "jit/nvrtc_compiler.h"
 #include "testing/compare.h"
 #include "testing/device_case.h"
 #include "testing/registry.h"
 #include "testing/variant_reference.h"
+#include "../wgmma_probe.h"
 
 using namespace attnforge;
 using namespace attnforge::testing;
@@ -478,6 +482,108 @@ TEST(CudaFuzz, RandomBatches) {
   EXPECT_GT(ran, static_cast<int>(iters / 2));
 }
 
+// The wgmma building blocks (backends/cuda/device/wgmma.cuh: the 128-byte swizzle, the K-major and MN-major
+// descriptors over one and two 64-element panels, the register-A form, N = 64 and 128) on a Hopper GPU: the probe
+// kernels' products (tests/wgmma_probe.h) against float64 on fresh random bf16 inputs, outputs poisoned with NaN
+// first. The bound is fp32 accumulation's, n u sum |a b| with n = K and u = 2^-22 (tensor cores add with less than
+// IEEE fp32's rounding); a wrong layout or descriptor is off by the size of the products themselves.
+TEST(CudaWgmma, ProbeProductsMatchFloat64) {
+  using attnforge::testing::kProbeLd;
+  using attnforge::testing::kWgmmaProbes;
+  int device = 0, major = 0;
+  ASSERT_EQ(cudaSuccess, cudaGetDevice(&device));
+  ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major != 9) GTEST_SKIP() << "wgmma runs on sm_90 only";
+  ASSERT_EQ(cudaSuccess, cudaFree(nullptr));  // the primary context, current for the driver calls below
+  const jit::CompiledModule m = jit::compile(attnforge::testing::wgmma_probe_source());
+  ASSERT_EQ(m.lowered_names.size(), std::size(kWgmmaProbes));
+  const cuda::DriverApi& d = cuda::driver();
+  CUmodule module;
+  ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, m.binary.data()));
+
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  auto to_bf16 = [](float x) {  // round to nearest even
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  };
+  auto value = [](uint16_t bits) {
+    const uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float x;
+    std::memcpy(&x, &u, 4);
+    return static_cast<double>(x);
+  };
+  const size_t elems = 128 * kProbeLd;  // every operand and the output fit [128][kProbeLd]
+  std::vector<uint16_t> a(elems), b(elems);
+  for (uint16_t& x : a) x = to_bf16(normal(rng));
+  for (uint16_t& x : b) x = to_bf16(normal(rng));
+  void *da = nullptr, *db = nullptr, *dc = nullptr;
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&da, elems * 2));
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&db, elems * 2));
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&dc, elems * sizeof(float)));
+  ASSERT_EQ(cudaSuccess, cudaMemcpy(da, a.data(), elems * 2, cudaMemcpyHostToDevice));
+  ASSERT_EQ(cudaSuccess, cudaMemcpy(db, b.data(), elems * 2, cudaMemcpyHostToDevice));
+  for (size_t probe = 0; probe < std::size(kWgmmaProbes); ++probe) {
+    const attnforge::testing::WgmmaProbe& pr = kWgmmaProbes[probe];
+    SCOPED_TRACE(pr.name);
+    CUfunction f;
+    ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&f, module, m.lowered_names[probe].c_str()));
+    ASSERT_EQ(cudaSuccess, cudaMemset(dc, 0xff, elems * sizeof(float)));  // NaN
+    void* args[] = {&da, &db, &dc};
+    ATTNFORGE_CU_CHECK(d.cuLaunchKernel(f, 1, 1, 1, 128, 1, 1, 0, nullptr, args, nullptr));
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    std::vector<float> c(elems);
+    ASSERT_EQ(cudaSuccess, cudaMemcpy(c.data(), dc, elems * sizeof(float), cudaMemcpyDeviceToHost));
+    int bad = 0;
+    for (int i = 0; i < pr.m; ++i)
+      for (int j = 0; j < pr.n; ++j) {
+        double ref = 0, mag = 0;
+        for (int k = 0; k < pr.k; ++k) {
+          const uint16_t bk = pr.b_k_major ? b[j * kProbeLd + k] : b[k * kProbeLd + j];
+          const double x = value(a[i * kProbeLd + k]) * value(bk);
+          ref += x, mag += std::fabs(x);
+        }
+        const double got = c[i * kProbeLd + j];
+        if (!(std::fabs(got - ref) <= pr.k * std::ldexp(mag, -22)) && ++bad <= 5)
+          ADD_FAILURE() << "c[" << i << "][" << j << "] = " << got << ", float64 " << ref << " (sum |ab| " << mag << ")";
+      }
+    EXPECT_EQ(bad, 0) << bad << " of " << pr.m * pr.n << " elements outside the bound";
+  }
+  cudaFree(da), cudaFree(db), cudaFree(dc);
+  ATTNFORGE_CU_CHECK(d.cuModuleUnload(module));
+}
+
+// Which plans the Hopper prefill kernel takes under each setting: by default head_dim 128's 128-row tiles on
+// compute capability 9.0 only, head_dim 64 too when forced on, none when off; never the 64-row tiles.
+TEST(CudaWgmma, PrefillKernelSelectionFollowsTheSetting) {
+  int device = 0, major = 0, minor = 0;
+  ASSERT_EQ(cudaSuccess, cudaGetDevice(&device));
+  ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  const bool sm90 = major == 9 && minor == 0;
+  const cuda::PrefillWgmma before = cuda::prefill_wgmma();
+  cuda::set_prefill_wgmma(cuda::PrefillWgmma::kAuto);
+  EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(128, 128));
+  EXPECT_FALSE(cuda::prefill_wgmma_serves(128, 64));
+  EXPECT_FALSE(cuda::prefill_wgmma_serves(64, 128));
+  EXPECT_FALSE(cuda::prefill_wgmma_serves(256, 64));
+  cuda::set_prefill_wgmma(cuda::PrefillWgmma::kOn);
+  EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(64, 128));
+  EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(128, 128));
+  EXPECT_FALSE(cuda::prefill_wgmma_serves(64, 64));
+  cuda::set_prefill_wgmma(cuda::PrefillWgmma::kOff);
+  EXPECT_FALSE(cuda::prefill_wgmma_serves(128, 128));
+  // Plans of 128-row tiles the Hopper kernel takes are balanced over its one CTA per SM.
+  if (sm90) {
+    const int portable = cuda::prefill_ctas_per_sm(128, 128);
+    cuda::set_prefill_wgmma(cuda::PrefillWgmma::kAuto);
+    EXPECT_EQ(1, cuda::prefill_ctas_per_sm(128, 128));
+    EXPECT_EQ(portable, cuda::prefill_ctas_per_sm(128, 64));
+  }
+  cuda::set_prefill_wgmma(before);
+}
+
 // Runs of one uploaded plan on one workspace, one after another, must each be right and bit-identical: nothing a
 // run leaves in the workspace (partial states, metadata) may leak into the next.
 TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
@@ -645,12 +751,15 @@ TEST(CudaGraph, CaptureReplanReplayAcrossMergeShapes) {
 
 // Runs every case with the nvcc-compiled and with the NVRTC-compiled kernels (plan and run each time): both match
 // the float64 reference, and their outputs and LSE are the same bits. Kernels compile into a temporary cache; the
-// selected build is restored at the end (the later tests run with it).
+// selected build is restored at the end (the later tests run with it). The nvcc build runs its portable prefill
+// kernel, the one NVRTC compiles (the Hopper prefill kernel is nvcc-only; its own cases check it).
 void expect_nvrtc_bits_of_nvcc(const std::vector<CaseSpec>& specs) {
   char tmpl[] = "/tmp/attnforge-cuda-jit-XXXXXX";
   ASSERT_NE(nullptr, mkdtemp(tmpl));
   jit::set_cache_dir(tmpl);
   const jit::CudaKernels selected = jit::cuda_kernels();
+  const cuda::PrefillWgmma wgmma = cuda::prefill_wgmma();
+  cuda::set_prefill_wgmma(cuda::PrefillWgmma::kOff);
   for (const CaseSpec& s : specs) {
     Case c = make_case(s);
     DeviceCase dev(c);
@@ -674,6 +783,7 @@ void expect_nvrtc_bits_of_nvcc(const std::vector<CaseSpec>& specs) {
     EXPECT_TRUE(nvcc.second == nvrtc.second) << "LSE differs between the nvcc and NVRTC builds; case: " << s.describe();
   }
   jit::set_cuda_kernels(selected);
+  cuda::set_prefill_wgmma(wgmma);
   jit::set_cache_dir("");
   std::filesystem::remove_all(tmpl);
 }

@@ -26,6 +26,7 @@
 #include "attnforge/context_parallel.h"
 #include "attnforge/devices.h"
 #include "attnforge/jit.h"
+#include "backends/cuda/prefill/prefill.h"
 #include "bench_common.h"
 #include "commands.h"
 #include "testing/compare.h"
@@ -601,11 +602,20 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
     results.push_back(bench_gpu_case(suite[i], id, iters, fmt::format("[{}/{}]", i + 3, steps)));
 
   const std::string dev = fmt::format("{} {}", to_string(device.device), device.name);
+  // Which kernel ran the prefill cases (backends/cuda/prefill/prefill.h), so a record says what it measured.
+  const char* wgmma_mode[] = {"auto", "0", "1"};
+  const std::string prefill_kernels = fmt::format(
+      "ATTNFORGE_PREFILL_WGMMA={}: {}", wgmma_mode[static_cast<int>(cuda::prefill_wgmma())],
+      cuda::prefill_wgmma_serves(128, 128)
+          ? fmt::format("Hopper wgmma kernel for 128-row tiles of head_dim 128{} without RoPE, portable otherwise",
+                        cuda::prefill_wgmma_serves(64, 128) ? " and 64" : "")
+          : std::string("portable mma.sync kernel"));
   fmt::print("attnforge bench, suite {}-gpu: {}\n", options.suite, build_info());
   fmt::print("device {}: {}\n", dev, device.description);
   fmt::print("ceiling device-to-device copy: {:.2f} TB/s (read + write)\n", copy_gbps / 1e3);
-  fmt::print("ceiling cuBLAS bf16 matrix product: {}\n\n",
+  fmt::print("ceiling cuBLAS bf16 matrix product: {}\n",
              gemm > 0 ? fmt::format("{:.0f} TFLOP/s", gemm) : std::string("n/a (built without cuBLAS)"));
+  fmt::print("prefill kernels: {}\n\n", prefill_kernels);
   fmt::print("{:<30} {:>11} {:>11} {:>9} {:>10} {:>9} {:>10}\n", "case", "median_us", "graph_us", "TB/s", "% of copy",
              "TFLOP/s", "% of gemm");
   for (const GpuResult& r : results) {
@@ -640,6 +650,7 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
       j["bytes"] = r.bytes, j["iters"] = r.iters, j["commit"] = git_commit();
       if (r.graph_us > 0) j["graph_us"] = r.graph_us;
       j["detail"] = r.spec.describe() + "; " + r.plan;
+      if (prefill) j["prefill_kernels"] = prefill_kernels;
       j["shape"] = {{"kv_lens", r.spec.kv_lens}, {"qo_lens", r.spec.qo_lens}, {"qo_len", r.spec.qo_lens[0]},
                     {"causal", r.spec.options.causal}, {"num_qo_heads", r.spec.num_qo_heads},
                     {"num_kv_heads", r.spec.num_kv_heads}, {"head_dim", r.spec.head_dim_qk},

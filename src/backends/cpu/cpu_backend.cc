@@ -22,7 +22,9 @@ class CpuBackend final : public Backend {
                                  s.head_dim_qk, s.head_dim_vo, cpu::kMaxHeadDim)};
     return {};
   }
-  int32_t num_workers(const AttentionShape&, PlanKind) const override { return cpu::ThreadPool::instance().size(); }
+  int32_t num_workers(const AttentionShape&, PlanKind, int32_t) const override {
+    return cpu::ThreadPool::instance().size();
+  }
   int32_t target_tile_rows(const AttentionShape&, double) const override { return planner::kCpuTargetRows; }
   void attention(const AttentionParams& p, PlanKind, Stream) override { cpu::attention(p); }
   void merge_states(const MergeStatesParams& p, Stream) override { cpu::merge_states(p); }

@@ -126,13 +126,14 @@ class CudaBackend final : public Backend {
 
   // With the NVRTC-compiled kernels this compiles (or loads) the shape's kernels of this kind of plan: plan() pays
   // for it, run() and graph capture find them loaded.
-  int32_t num_workers(const AttentionShape& shape, PlanKind kind) const override {
+  int32_t num_workers(const AttentionShape& shape, PlanKind kind, int32_t tile_rows) const override {
     const AttentionShape s = normalized(shape);
     if (jit::cuda_kernels() == jit::CudaKernels::kNvrtc) {
       DeviceGuard guard(device_);
       return sms_ * jit_kernels().ctas_per_sm(s, kind);
     }
-    if (kind == PlanKind::kPrefill) return sms_ * cuda::prefill_ctas_per_sm(s.head_dim_qk);
+    if (kind == PlanKind::kPrefill)
+      return sms_ * cuda::prefill_ctas_per_sm(s.head_dim_qk, cuda::prefill_cta_rows(s.head_dim_qk, tile_rows));
     return sms_ * cuda::decode_ctas_per_sm(s.head_dim_qk, s.kv_dtype);
   }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).

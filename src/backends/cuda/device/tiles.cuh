@@ -29,6 +29,14 @@ __device__ __forceinline__ int swizzle_bytes(int row, int chunk) {
     return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
 }
 
+// The wgmma operand layout (device/wgmma.cuh): a tile of kRows rows of 16-bit elements as 64-element panels of
+// kRows x 128 bytes, one after another, each in the 128-byte swizzle. Byte offset of 16-byte chunk c of row r. At
+// head_dim 64 (one panel) it is swizzle_bytes<128>.
+template <int kRows>
+__device__ __forceinline__ int panel_bytes(int row, int chunk) {
+  return (chunk >> 3) * (kRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
 // ldmatrix addresses into swizzled rows, kept to four registers per operand. A lane reads row r (r & 7 fixed for
 // the whole loop, other rows differ by multiples of 8) at logical chunk 2k + sub. Since the XOR only touches
 // the low three bits, that chunk sits at base[k % 4] + 64 (k / 4) elements, and row + 8 i adds 8 i kHeadDim:
@@ -99,9 +107,9 @@ __device__ __forceinline__ QueryRow query_row(const WorkItem& it, int rr, int gr
   return {it.qo_begin + rr / group, kv_head * group + rr % group};
 }
 
-// Copies kRows packed query rows starting at row0 into swizzled shared memory with cp.async (zeros past `rows`).
-// The caller commits the group.
-template <int D, int kRows, int kThreads>
+// Copies kRows packed query rows starting at row0 into swizzled shared memory with cp.async (zeros past `rows`):
+// swizzle<D> rows, or wgmma panels (panel_bytes) with kPanels. The caller commits the group.
+template <int D, int kRows, int kThreads, bool kPanels = false>
 __device__ __forceinline__ void load_query_rows(const AttentionParams& p, const WorkItem& it, int qo_start, int row0,
                                                 int rows, int group, int kv_head, uint16_t* sQ) {
   constexpr int kChunks = D / 8;
@@ -110,7 +118,8 @@ __device__ __forceinline__ void load_query_rows(const AttentionParams& p, const 
     const QueryRow q = query_row(it, row0 + min(r, rows - 1), group, kv_head);
     const uint16_t* src =
         static_cast<const uint16_t*>(p.q) + (qo_start + q.tok) * p.q_stride_token + q.head * p.q_stride_head + c * 8;
-    cp_async_16(sQ + swizzle<D>(r, c), src, r < rows ? 16 : 0);
+    uint16_t* dst = kPanels ? sQ + panel_bytes<kRows>(r, c) / 2 : sQ + swizzle<D>(r, c);
+    cp_async_16(dst, src, r < rows ? 16 : 0);
   }
 }
 
@@ -185,6 +194,30 @@ __device__ __forceinline__ void row_kv_range(const VariantParams& vp, const Work
   if (r >= rows) *hi = *lo;
 }
 
+// Over the lanes of a warp: the union [lo, hi) of the rows' KV ranges and their intersection [max_lo, min_hi).
+__device__ __forceinline__ void warp_kv_bounds(int& lo, int& hi, int& max_lo, int& min_hi) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    max_lo = max(max_lo, __shfl_xor_sync(0xffffffffu, max_lo, o));
+    min_hi = min(min_hi, __shfl_xor_sync(0xffffffffu, min_hi, o));
+  }
+}
+
+// A logit x = q.k of the built-in options at key j, in log2 units: soft-cap and ALiBi when `transform`, the
+// custom mask; -inf where the key is not allowed.
+__device__ __forceinline__ float builtin_logit(const VariantParams& vp, const KVParams& kv, float x, bool allowed,
+                                               bool transform, float scale_log2, int request, int q_tok, int q_head,
+                                               int q_pos, int j, int kv_len) {
+  if (allowed && transform)
+    x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, q_head, q_pos, j) * kLog2e;
+  else
+    x *= scale_log2;
+  if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, request, q_tok, j, kv_len);
+  return allowed ? x : -ATTNFORGE_INFINITY;
+}
+
 // Streams K/V tiles of kTileTokens tokens of one request and KV head, starting at token `first` and ending
 // before `last`, into swizzled shared memory (swizzle_bytes) with cp.async. Elements are kElemBytes wide (2, or 1
 // for fp8 K/V, copied as raw codes). Each thread copies kLoadRows rows of one 16-byte chunk column. Page lookups
@@ -195,7 +228,8 @@ __device__ __forceinline__ void row_kv_range(const VariantParams& vp, const Work
 // shared array of S x kTileTokens ints (`slots`), one id fetched per token, which frees those registers for
 // kernels that need them. With shared slots, a barrier must separate fetch_pages(t) from load(t) (the main
 // loop's barrier does; the prologue needs one), and S must be the number of pipeline stages.
-template <int D, int kTileTokens, int kThreads, int kPageSlots = 0, int kElemBytes = 2>
+// kPanels: 16-bit rows land in wgmma panels (panel_bytes<kTileTokens>) instead of swizzled rows.
+template <int D, int kTileTokens, int kThreads, int kPageSlots = 0, int kElemBytes = 2, bool kPanels = false>
 struct KVTileLoader {
   static constexpr int kRowBytes = D * kElemBytes;
   static constexpr int kChunks = kRowBytes / 16;
@@ -272,7 +306,7 @@ struct KVTileLoader {
           vsrc = v_base + (page64 * kv.v_stride_page + slot64 * kv.v_stride_token) * kElemBytes;
         }
       }
-      const int dst = swizzle_bytes<kRowBytes>(r, chunk);
+      const int dst = kPanels ? panel_bytes<kTileTokens>(r, chunk) : swizzle_bytes<kRowBytes>(r, chunk);
       cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, valid ? 16 : 0);
       cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc, valid ? 16 : 0);
     }

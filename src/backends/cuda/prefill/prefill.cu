@@ -3,12 +3,18 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+#include "attnforge/error.h"
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/kernel_config.h"
 #include "backends/cuda/merge/merge.h"
 #include "backends/cuda/prefill/prefill.h"
 #include "backends/cuda/prefill/prefill_kernel.cuh"
+#include "backends/cuda/prefill/prefill_wgmma.cuh"
 
 namespace attnforge::cuda {
 
@@ -71,6 +77,59 @@ void launch_variant(const AttentionParams& p, const KernelDims& dims, cudaStream
   launch_rope<D, prefill_rows(D)>(p, dims, stream);
 }
 
+bool on_sm90() {
+  static PerDevice sm90;  // 2: compute capability 9.0, 1: other (0 is PerDevice's "not yet asked")
+  return sm90.get([] {
+    int device = 0, major = 0, minor = 0;
+    ATTNFORGE_CUDA_CHECK(cudaGetDevice(&device));
+    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    return major == 9 && minor == 0 ? 2 : 1;
+  }) == 2;
+}
+
+// Read on every launch and plan, so an atomic; the environment is read once.
+std::atomic<int> wgmma_override{-1};
+PrefillWgmma wgmma_from_env() {
+  const char* v = std::getenv("ATTNFORGE_PREFILL_WGMMA");
+  const std::string s = v ? v : "";
+  if (s.empty() || s == "auto") return PrefillWgmma::kAuto;
+  if (s == "0") return PrefillWgmma::kOff;
+  if (s == "1") return PrefillWgmma::kOn;
+  throw Error(ErrorKind::kInvalidArgument, "ATTNFORGE_PREFILL_WGMMA '" + s + "': expected one of {auto, 0, 1}");
+}
+
+// Sets the Hopper kernel's attributes once per instantiation and device; returns the CTAs one SM holds (one).
+template <class Tr>
+int configure_wgmma() {
+  static PerDevice configured;
+  return configured.get([] { return configure_kernel(prefill_wgmma_kernel<Tr>, Tr::kThreads, Tr::kSmemBytes); });
+}
+
+template <int D, typename Elem>
+void launch_wgmma(const AttentionParams& p, KernelDims dims, cudaStream_t stream) {
+  using Tr = PrefillWgmmaTraits<D, Elem>;
+  configure_wgmma<Tr>();
+  dims.block = dim3(Tr::kThreads);
+  dims.smem_bytes = Tr::kSmemBytes;
+  prefill_wgmma_kernel<Tr><<<dims.grid, dims.block, dims.smem_bytes, stream>>>(p);
+  ATTNFORGE_CUDA_CHECK(cudaGetLastError());
+}
+
+// Launches the Hopper kernel when it is requested and serves the plan; false otherwise.
+bool launch_prefill_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
+  const int d = p.head_dim_qk;
+  if (!prefill_wgmma_serves(d, prefill_plan_rows(p)) || p.head_dim_vo != d || p.variant.rope.enabled ||
+      p.kv.dtype != p.q_dtype)
+    return false;
+  const bool bf16 = p.q_dtype == DType::kBFloat16;
+  if (d == 64)
+    bf16 ? launch_wgmma<64, Bf16>(p, dims, stream) : launch_wgmma<64, F16>(p, dims, stream);
+  else
+    bf16 ? launch_wgmma<128, Bf16>(p, dims, stream) : launch_wgmma<128, F16>(p, dims, stream);
+  return true;
+}
+
 }  // namespace
 
 KernelAttributes prefill_attributes(int head_dim, int stage_tokens, int rows) {
@@ -96,7 +155,27 @@ LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens, i
   return c;
 }
 
-int prefill_ctas_per_sm(int head_dim) {
+void set_prefill_wgmma(PrefillWgmma mode) { wgmma_override.store(static_cast<int>(mode)); }
+PrefillWgmma prefill_wgmma() {
+  const int o = wgmma_override.load(std::memory_order_relaxed);
+  if (o >= 0) return static_cast<PrefillWgmma>(o);
+  static const PrefillWgmma from_env = wgmma_from_env();
+  return from_env;
+}
+
+bool prefill_wgmma_serves(int head_dim, int rows) {
+  const PrefillWgmma mode = prefill_wgmma();
+  if (mode == PrefillWgmma::kOff || rows != prefill_rows(head_dim)) return false;
+  if (head_dim != 128 && (head_dim != 64 || mode != PrefillWgmma::kOn)) return false;
+  return on_sm90();
+}
+
+int prefill_ctas_per_sm(int head_dim, int rows) {
+  // The Hopper kernel holds one CTA per SM where it serves the plan's tiles; the planner's split targets follow
+  // it. (A plan with RoPE still runs prefill_kernel, two CTAs per SM, on these targets: it splits less.)
+  if (prefill_wgmma_serves(head_dim, rows))
+    return head_dim == 64 ? configure_wgmma<PrefillWgmmaTraits<64, Bf16>>()
+                          : configure_wgmma<PrefillWgmmaTraits<128, Bf16>>();
   switch (head_dim) {  // bf16 and fp16 instantiations use the same registers and shared memory
     case 64: return configure<PrefillTraits<64, Bf16>>();
     case 128: return configure<PrefillTraits<128, Bf16>>();
@@ -107,6 +186,7 @@ int prefill_ctas_per_sm(int head_dim) {
 
 void run_prefill(const AttentionParams& p, cudaStream_t stream) {
   const LaunchConfig c = prefill_launch_config(p, prefill_tile_tokens(p.head_dim_qk), prefill_plan_rows(p));
+  if (launch_prefill_wgmma(p, c.attention, stream)) return run_merge(p, stream);
   switch (p.head_dim_qk) {
     case 64: launch_variant<64>(p, c.attention, stream); break;
     case 128: launch_variant<128>(p, c.attention, stream); break;

@@ -19,8 +19,19 @@ KernelAttributes prefill_attributes(int head_dim, int stage_tokens, int rows);
 int prefill_plan_rows(const AttentionParams& p);
 LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens, int rows);
 
-// The nvcc-compiled kernels (the default tile configuration).
-int prefill_ctas_per_sm(int head_dim);
+// Which kernel runs the plans the Hopper kernel serves (prefill_wgmma.cuh: nvcc-built, compute capability 9.0,
+// the head dim's 128-row tiles, 16-bit K/V in Q's type, no RoPE); every other plan runs prefill_kernel.
+//   kAuto (ATTNFORGE_PREFILL_WGMMA unset or "auto"): head_dim 128, where the H200 measured it faster;
+//   kOff ("0"): never (the portable kernel everywhere); kOn ("1"): head_dim 64 too.
+enum class PrefillWgmma { kAuto, kOff, kOn };
+void set_prefill_wgmma(PrefillWgmma mode);  // overrides the environment (tests, A/B runs)
+PrefillWgmma prefill_wgmma();
+// Whether plans of this head dim and CTA rows run on the Hopper kernel on the current device (RoPE, dtypes aside).
+bool prefill_wgmma_serves(int head_dim, int rows);
+
+// The nvcc-compiled kernels (the default tile configuration): CTAs per SM of the kernel plans of `rows` CTA rows
+// (prefill_cta_rows) run on.
+int prefill_ctas_per_sm(int head_dim, int rows);
 // Grid sizes come from the plan's capacities, never its counts (see kernel_config.h), so graphs survive re-plans.
 void run_prefill(const AttentionParams& p, cudaStream_t stream);
 

@@ -64,6 +64,35 @@ __device__ __forceinline__ void row_scale(const VariantParams& vp, int head, flo
   }
 }
 
+// Writes a finished row that a quad of lanes holds (this lane: columns 8 n + 2 (lane % 4) and the next, n < D / 8,
+// as pair(n) returns them), times f, to the output and the LSE, or to the item's partial state.
+template <int D, class Pair>
+__device__ __forceinline__ void store_quad_row(const AttentionParams& p, const WorkItem& it, const QueryRow& q,
+                                               int qo_start, float f, float lse, Pair pair) {
+  const PlanView& plan = *p.plan;
+  const int lane = threadIdx.x & 31;
+  if (it.partial_row < 0) {
+    const int64_t base = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const int col = n * 8 + 2 * (lane % 4);
+      const float2 v = pair(n);
+      store_element(p.o, p.o_dtype, base + col, v.x * f);
+      store_element(p.o, p.o_dtype, base + col + 1, v.y * f);
+    }
+    if (p.lse && lane % 4 == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
+  } else {
+    const int64_t prow = static_cast<int64_t>(it.partial_row) + (q.tok - it.qo_begin);
+    float* dst = plan.partial_o + (prow * p.num_qo_heads + q.head) * D;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const float2 v = pair(n);
+      *reinterpret_cast<float2*>(dst + n * 8 + 2 * (lane % 4)) = make_float2(v.x * f, v.y * f);
+    }
+    if (lane % 4 == 0) plan.partial_lse[prow * p.num_qo_heads + q.head] = lse;
+  }
+}
+
 // The epilogue of a custom variant with an output transform: each warp stages one m tile of finished fp32 rows
 // (16 x head_dim) in shared memory, then one lane per row runs V::output_transform on it and writes it.
 template <class Tr, class V, int M = Tr::kMTiles, int D = Tr::kHeadDim>
@@ -178,6 +207,8 @@ __device__ __forceinline__ void prefill_body(const AttentionParams& p, const Var
         if (r < rows) w_max_lo = max(w_max_lo, lo), w_min_hi = min(w_min_hi, hi);
         if (lo < hi) w_lo = min(w_lo, lo), w_hi = max(w_hi, hi);
       }
+    // warp_kv_bounds (tiles.cuh) written out: through the helper ptxas allocated this kernel's registers
+    // differently (the 64-row tile at head_dim 128 went from 0 to 8 bytes of spill on sm_90a).
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       w_lo = min(w_lo, __shfl_xor_sync(0xffffffffu, w_lo, o));
@@ -423,25 +454,8 @@ __device__ __forceinline__ void prefill_body(const AttentionParams& p, const Var
           const QueryRow q = query_row(it, row0 + r, group, kv_head);
           float lse, f;
           row_scale<kSoftmax>(vp, q.head, m_run[mt][h], l, kv.v_scale, it.partial_row < 0, &lse, &f);
-          if (it.partial_row < 0) {
-            const int64_t base = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head;
-            #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-              const int col = n * 8 + 2 * (lane % 4);
-              store_element(p.o, p.o_dtype, base + col, o_acc[mt][n][2 * h] * f);
-              store_element(p.o, p.o_dtype, base + col + 1, o_acc[mt][n][2 * h + 1] * f);
-            }
-            if (p.lse && lane % 4 == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
-          } else {
-            const int64_t prow = static_cast<int64_t>(it.partial_row) + (q.tok - it.qo_begin);
-            float* dst = plan.partial_o + (prow * p.num_qo_heads + q.head) * D;
-            #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-              const int col = n * 8 + 2 * (lane % 4);
-              *reinterpret_cast<float2*>(dst + col) = make_float2(o_acc[mt][n][2 * h] * f, o_acc[mt][n][2 * h + 1] * f);
-            }
-            if (lane % 4 == 0) plan.partial_lse[prow * p.num_qo_heads + q.head] = lse;
-          }
+          store_quad_row<D>(p, it, q, qo_start, f, lse,
+                            [&](int n) { return make_float2(o_acc[mt][n][2 * h], o_acc[mt][n][2 * h + 1]); });
         }
     }
     __syncthreads();  // shared memory (Q, stages, bounds) is reused by the next item

@@ -1,0 +1,232 @@
+// Batch prefill on Hopper warpgroup products (sm_90a; prefill.h says which plans it takes: by default head_dim
+// 128's 128-row tiles, where the H200 measured it faster than prefill_kernel.cuh). The work split is the mma.sync kernel's (prefill_kernel.cuh): one CTA = (work
+// item, KV head, block of 128 packed rows). Two warpgroups own 64 rows each and read every K/V tile of the item:
+// S = Q K^T is one m64n128k16 wgmma per 16 head dims with Q and K from shared memory, the online softmax runs on
+// the accumulator registers, and O += P V takes P from registers (the accumulators of two n8 blocks are one k16 A
+// fragment, as with mma.sync) and V from shared memory, transposed by the instruction. Q, K and V sit in 64-element
+// panels in the 128-byte swizzle (device/wgmma.cuh), K/V in 128-token tiles through a two-stage cp.async pipeline
+// that all 256 threads feed. Built-in options (causal, window, soft-cap, ALiBi, custom mask, sinks); not RoPE, not
+// custom variants (those keep prefill_kernel). head_dim 64 and 128, bf16 and fp16. Self-contained for NVRTC.
+#pragma once
+
+#include "attnforge/kernel/params.h"
+#include "attnforge/kernel/variant.h"
+#include "backends/cuda/device/ptx.cuh"
+#include "backends/cuda/device/tiles.cuh"
+#include "backends/cuda/device/wgmma.cuh"
+#include "backends/cuda/prefill/prefill_kernel.cuh"
+
+namespace attnforge::cuda {
+
+template <int kHeadDim_, typename Elem_>
+struct PrefillWgmmaTraits {
+  using Elem = Elem_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kRows = 64 * kWarpgroups;  // prefill_rows(kHeadDim): the planner's tiles fit
+  static constexpr int kTileTokens = 128;         // K/V tokens per stage and softmax step: S is m64n128
+  static constexpr int kStages = 2;
+  static constexpr int kQBytes = kRows * kHeadDim * 2;
+  static constexpr int kStageBytes = kTileTokens * kHeadDim * 2;
+  // Q, two K stages, two V stages (160 KB at head_dim 128), and 1 KB to align the panels to 1024 bytes.
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kStageBytes + 1024;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128: O is one m64n64 or m64n128 product");
+  static_assert(kRows == prefill_rows(kHeadDim), "the planner's 128-row query tiles");
+};
+
+template <class Tr>
+__device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Elem = typename Tr::Elem;
+  constexpr int D = Tr::kHeadDim, N = Tr::kTileTokens;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int s_bounds[2][Tr::kWarps];
+  __shared__ int32_t s_pages[Tr::kStages * N];
+  uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
+  uint8_t* sQ = smem;
+  uint8_t* sK = sQ + Tr::kQBytes;
+  uint8_t* sV = sK + Tr::kStages * Tr::kStageBytes;
+
+  const PlanView& plan = *p.plan;
+  const KVParams& kv = p.kv;
+  const VariantParams& vp = p.variant;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+  const int kv_head = blockIdx.y;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int row0 = blockIdx.z * Tr::kRows;
+  const int warp_row0 = 16 * warp;  // warpgroup wg's rows are 64 wg .. 64 wg + 63, warp w's 16 w .. 16 w + 15
+  const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
+  const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
+  const int num_items = plan.num_items;
+
+  // Items in reverse plan order, as prefill_kernel: each request's heaviest causal tiles first.
+  for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
+    const WorkItem it = plan.items[num_items - 1 - index];
+    const int b = it.request;
+    const int rows_total = (it.qo_end - it.qo_begin) * group;
+    if (row0 >= rows_total) continue;
+    const int rows = min(Tr::kRows, rows_total - row0);
+    const int qo_start = plan.qo_indptr[b];
+    const int qo_len = plan.qo_indptr[b + 1] - qo_start;
+    const int kv_len = plan.kv_len[b];
+
+    load_query_rows<D, Tr::kRows, Tr::kThreads, true>(p, it, qo_start, row0, rows, group, kv_head,
+                                                      reinterpret_cast<uint16_t*>(sQ));
+    // This thread's rows (warp_row0 + lane / 4 + 8 h); the warp's union and intersection of their KV ranges, then
+    // the warpgroup's union (a wgmma is issued by all four warps or none) and the CTA's.
+    int w_lo = it.kv_end, w_hi = it.kv_begin, w_max_lo = it.kv_begin, w_min_hi = it.kv_end;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp_row0 + lane / 4 + 8 * h;
+      int lo, hi;
+      row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &lo, &hi);
+      if (r < rows) w_max_lo = max(w_max_lo, lo), w_min_hi = min(w_min_hi, hi);
+      if (lo < hi) w_lo = min(w_lo, lo), w_hi = max(w_hi, hi);
+    }
+    warp_kv_bounds(w_lo, w_hi, w_max_lo, w_min_hi);
+    if (lane == 0) s_bounds[0][warp] = w_lo, s_bounds[1][warp] = w_hi;
+    __syncthreads();
+    int range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      if (s_bounds[0][w] >= s_bounds[1][w]) continue;
+      range_lo = min(range_lo, s_bounds[0][w]), range_hi = max(range_hi, s_bounds[1][w]);
+      if (w / 4 == wg) g_lo = min(g_lo, s_bounds[0][w]), g_hi = max(g_hi, s_bounds[1][w]);
+    }
+    const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
+
+    KVTileLoader<D, N, Tr::kThreads, Tr::kStages, 2, true> loader(kv, b, kv_head, range_lo, range_hi, s_pages);
+    if (num_tiles > 0) loader.fetch_pages(0);
+    __syncthreads();  // the first tile's page ids are in shared memory
+    if (num_tiles > 0) loader.load(0, sK, sV);
+    cp_async_commit();  // with Q
+    if (num_tiles > 1) loader.fetch_pages(1);
+
+    float o_acc[D / 2];  // m64 x D accumulators: n8 block n, element e at o_acc[4 n + e]
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o_acc[i] = 0.f;
+    float m_run[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY}, l_run[2] = {0.f, 0.f};
+    const uint32_t q_addr = smem_address(sQ) + 64 * wg * 128;  // this warpgroup's 64 rows of each Q panel
+
+    for (int t = 0; t < num_tiles; ++t) {
+      cp_async_wait<0>();
+      wgmma::fence_operands();  // this thread's copies, visible to the tensor cores' reads
+      __syncthreads();          // every thread's copies of tile t landed; every wgmma of tile t - 1 completed
+      if (t + 1 < num_tiles) {
+        const int s = (t + 1) % Tr::kStages;
+        loader.load(t + 1, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes);
+        if (t + 2 < num_tiles) loader.fetch_pages(t + 2);
+      }
+      cp_async_commit();
+      const int tile_start = range_lo + t * N;
+      if (tile_start >= g_hi || tile_start + N <= g_lo) continue;  // no row of this warpgroup sees the tile
+      const uint32_t k_addr = smem_address(sK + (t % Tr::kStages) * Tr::kStageBytes);
+      const uint32_t v_addr = smem_address(sV + (t % Tr::kStages) * Tr::kStageBytes);
+
+      // S = Q K^T (64 rows x 128 tokens), 16 head dims a product: panel k / 4, step k % 4 in it.
+      float s_acc[N / 2];
+      wgmma::fence();
+#pragma unroll
+      for (int k = 0; k < D / 16; ++k)
+        wgmma::m64n128k16_ss(s_acc, wgmma::k_major(q_addr + (k / 4) * (Tr::kRows * 128), k % 4),
+                             wgmma::k_major(k_addr + (k / 4) * (N * 128), k % 4), k > 0, Elem{});
+      wgmma::commit();
+      wgmma::wait<0>();
+
+      // Mask and online softmax, as prefill_kernel (one m tile: s_acc[4 n + e] is its s_acc[0][n][e]).
+      const bool plain = !transform && !vp.custom_mask && tile_start >= w_max_lo && tile_start + N <= w_min_hi;
+      const float s_mul = plain ? scale_log2 : 1.f;
+      float tile_max[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY};
+      if (plain) {
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s_acc[i]);
+        tile_max[0] *= scale_log2;
+        tile_max[1] *= scale_log2;
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = warp_row0 + lane / 4 + 8 * h;
+          const QueryRow q = query_row(it, row0 + r, group, kv_head);
+          const int q_pos = query_position(q.tok, qo_len, kv_len);
+          int lo, hi;
+          row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &lo, &hi);
+#pragma unroll
+          for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+            for (int e = 2 * h; e < 2 * h + 2; ++e) {
+              const int j = tile_start + n * 8 + 2 * (lane % 4) + (e % 2);
+              const float x = builtin_logit(vp, kv, s_acc[4 * n + e], j >= lo && j < hi, transform, scale_log2, b,
+                                            q.tok, q.head, q_pos, j, kv_len);
+              s_acc[4 * n + e] = x;
+              tile_max[h] = fmaxf(tile_max[h], x);
+            }
+        }
+      }
+      float corr[2], m_sub[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(m_run[h], warp_max_quad(tile_max[h]));
+        m_sub[h] = m_new == -ATTNFORGE_INFINITY ? 0.f : m_new;
+        corr[h] = fast_exp2(m_run[h] - m_sub[h]);
+        m_run[h] = m_new;
+        l_run[h] *= corr[h];
+      }
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        const float pr = fast_exp2(fmaf(s_acc[i], s_mul, -m_sub[(i % 4) / 2]));
+        s_acc[i] = pr;
+        l_run[(i % 4) / 2] += pr;
+      }
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o_acc[i] *= corr[(i % 4) / 2];
+
+      // O += P V, 16 tokens a product: P's k16 fragment kt is the accumulators of n8 blocks 2 kt and 2 kt + 1.
+      uint32_t p_frag[N / 16][4];
+#pragma unroll
+      for (int kt = 0; kt < N / 16; ++kt) {
+        p_frag[kt][0] = pack2(s_acc[8 * kt + 0], s_acc[8 * kt + 1], Elem{});
+        p_frag[kt][1] = pack2(s_acc[8 * kt + 2], s_acc[8 * kt + 3], Elem{});
+        p_frag[kt][2] = pack2(s_acc[8 * kt + 4], s_acc[8 * kt + 5], Elem{});
+        p_frag[kt][3] = pack2(s_acc[8 * kt + 6], s_acc[8 * kt + 7], Elem{});
+      }
+      wgmma::fence();
+#pragma unroll
+      for (int kt = 0; kt < N / 16; ++kt) {
+        const uint64_t v_desc = wgmma::mn_major(v_addr, kt, N * 128);
+        if constexpr (D == 128)
+          wgmma::m64n128k16_rs_tb(o_acc, p_frag[kt], v_desc, true, Elem{});
+        else
+          wgmma::m64n64k16_rs_tb(o_acc, p_frag[kt], v_desc, true, Elem{});
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+    }
+    cp_async_wait<0>();
+    grid_launch_dependents();  // the merge kernel may be scheduled (it waits for this grid's end before reading)
+
+    // Each row's state is complete in its quad of lanes: normalize and write it, as prefill_kernel.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = warp_sum_quad(l_run[h]);
+      const int r = warp_row0 + lane / 4 + 8 * h;
+      if (r >= rows) continue;
+      const QueryRow q = query_row(it, row0 + r, group, kv_head);
+      float lse, f;
+      row_scale<true>(vp, q.head, m_run[h], l, kv.v_scale, it.partial_row < 0, &lse, &f);
+      store_quad_row<D>(p, it, q, qo_start, f, lse,
+                        [&](int n) { return make_float2(o_acc[4 * n + 2 * h], o_acc[4 * n + 2 * h + 1]); });
+    }
+    __syncthreads();  // shared memory (Q, stages, bounds, page ids) is reused by the next item
+  }
+#endif
+}
+
+// sm_90a only (the host launches it on compute capability 9.0 alone); other targets compile an empty body.
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1) prefill_wgmma_kernel(const AttentionParams p) {
+  prefill_wgmma_body<Tr>(p);
+}
+
+}  // namespace attnforge::cuda
