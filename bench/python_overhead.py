@@ -32,7 +32,7 @@ def main():
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.add_argument("--breakdown", action="store_true",
                    help="also time the pieces of run(): the extension call with the stream given, the stream lookup, "
-                        "the tracing test")
+                        "the tracing test, the output's allocation (and torch's own allocation calls alone)")
     a = p.parse_args()
     framework = a.framework or ("torch" if a.device == "cuda" else "numpy")
 
@@ -100,6 +100,13 @@ def main():
         if a.device == "cuda":  # run() looks the stream up on CUDA only
             pieces += (("stream lookup", timed(lambda: _arrays.current_stream(q, index))),)
         pieces += (("tracing test", timed(lambda: _torch.tracing())), ("empty Python call", timed(lambda: None)))
+        # What run() spends allocating its output: attnforge's allocator, and the framework's own call alone.
+        shape = tuple(out.shape)
+        pieces += (("output allocation (attnforge)", timed(lambda: _arrays.empty(q, shape))),)
+        if framework == "torch":
+            import torch
+            pieces += (("torch.empty alone", timed(lambda: torch.empty(shape, dtype=q.dtype, device=q.device))),
+                       ("q.new_empty alone", timed(lambda: q.new_empty(shape))))
     figures = {}
     for name, burst in pieces:
         for _ in range(3):  # warm-up
