@@ -19,26 +19,20 @@
 
 namespace attnforge::cuda {
 
-// kStaggered: the second warpgroup runs each tile's O += P V one tile late, after issuing it with the next tile's
-// S = Q K^T, so that one warpgroup's softmax meets the other's products instead of both softmaxes meeting idle
-// tensor cores (the CTA barrier per tile keeps the warpgroups in step). V then needs a third stage: the late
-// product reads tile t - 1's V while tile t + 1 loads.
-template <int kHeadDim_, typename Elem_, bool kStaggered_ = false>
+template <int kHeadDim_, typename Elem_>
 struct PrefillWgmmaTraits {
   using Elem = Elem_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr bool kStaggered = kStaggered_;
   static constexpr int kWarpgroups = 2;
   static constexpr int kThreads = 128 * kWarpgroups;
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kRows = 64 * kWarpgroups;  // prefill_rows(kHeadDim): the planner's tiles fit
   static constexpr int kTileTokens = 128;         // K/V tokens per stage and softmax step: S is m64n128
-  static constexpr int kStages = 2;                   // K stages (and page-id slots)
-  static constexpr int kVStages = kStaggered ? 3 : 2;
+  static constexpr int kStages = 2;
   static constexpr int kQBytes = kRows * kHeadDim * 2;
   static constexpr int kStageBytes = kTileTokens * kHeadDim * 2;
-  // Q, the K and V stages (160 KB at head_dim 128, 192 KB staggered), and 1 KB to align the panels to 1024 bytes.
-  static constexpr int kSmemBytes = kQBytes + (kStages + kVStages) * kStageBytes + 1024;
+  // Q, two K stages, two V stages (160 KB at head_dim 128), and 1 KB to align the panels to 1024 bytes.
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kStageBytes + 1024;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128: O is one m64n64 or m64n128 product");
   static_assert(kRows == prefill_rows(kHeadDim), "the planner's 128-row query tiles");
 };
@@ -117,45 +111,20 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
     float m_run[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY}, l_run[2] = {0.f, 0.f};
     const uint32_t q_addr = smem_address(sQ) + 64 * wg * 128;  // this warpgroup's 64 rows of each Q panel
 
-    // O += P V, 16 tokens a product: P's k16 fragment kt is the accumulators of n8 blocks 2 kt and 2 kt + 1.
-    uint32_t p_frag[N / 16][4];
-    auto issue_pv = [&](uint32_t v_addr) {
-#pragma unroll
-      for (int kt = 0; kt < N / 16; ++kt) {
-        const uint64_t v_desc = wgmma::mn_major(v_addr, kt, N * 128);
-        if constexpr (D == 128)
-          wgmma::m64n128k16_rs_tb(o_acc, p_frag[kt], v_desc, true, Elem{});
-        else
-          wgmma::m64n64k16_rs_tb(o_acc, p_frag[kt], v_desc, true, Elem{});
-      }
-      wgmma::commit();
-    };
-    // The staggered warpgroup's P of the tile whose O += P V it has not issued yet, and that tile's V.
-    const bool late = Tr::kStaggered && wg == 1;
-    bool pending = false;
-    uint32_t pending_v = 0;
-
     for (int t = 0; t < num_tiles; ++t) {
       cp_async_wait<0>();
       wgmma::fence_operands();  // this thread's copies, visible to the tensor cores' reads
       __syncthreads();          // every thread's copies of tile t landed; every wgmma of tile t - 1 completed
       if (t + 1 < num_tiles) {
-        loader.load(t + 1, sK + ((t + 1) % Tr::kStages) * Tr::kStageBytes,
-                    sV + ((t + 1) % Tr::kVStages) * Tr::kStageBytes);
+        const int s = (t + 1) % Tr::kStages;
+        loader.load(t + 1, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes);
         if (t + 2 < num_tiles) loader.fetch_pages(t + 2);
       }
       cp_async_commit();
       const int tile_start = range_lo + t * N;
-      const bool seen = tile_start < g_hi && tile_start + N > g_lo;  // some row of this warpgroup sees the tile
-      if (late && pending) {  // tile t - 1's product, issued before and run beside this tile's S
-        wgmma::fence();
-        issue_pv(pending_v);
-        pending = false;
-        if (!seen) wgmma::wait<0>();  // done before the next barrier: the load after it reuses that V stage
-      }
-      if (!seen) continue;
+      if (tile_start >= g_hi || tile_start + N <= g_lo) continue;  // no row of this warpgroup sees the tile
       const uint32_t k_addr = smem_address(sK + (t % Tr::kStages) * Tr::kStageBytes);
-      const uint32_t v_addr = smem_address(sV + (t % Tr::kVStages) * Tr::kStageBytes);
+      const uint32_t v_addr = smem_address(sV + (t % Tr::kStages) * Tr::kStageBytes);
 
       // S = Q K^T (64 rows x 128 tokens), 16 head dims a product: panel k / 4, step k % 4 in it.
       float s_acc[N / 2];
@@ -165,7 +134,7 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
         wgmma::m64n128k16_ss(s_acc, wgmma::k_major(q_addr + (k / 4) * (Tr::kRows * 128), k % 4),
                              wgmma::k_major(k_addr + (k / 4) * (N * 128), k % 4), k > 0, Elem{});
       wgmma::commit();
-      wgmma::wait<0>();  // S, and the late warpgroup's product of tile t - 1 (O is rescaled below)
+      wgmma::wait<0>();
 
       // Mask and online softmax, as prefill_kernel (one m tile: s_acc[4 n + e] is its s_acc[0][n][e]).
       const bool plain = !transform && !vp.custom_mask && tile_start >= w_max_lo && tile_start + N <= w_min_hi;
@@ -214,6 +183,8 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) o_acc[i] *= corr[(i % 4) / 2];
 
+      // O += P V, 16 tokens a product: P's k16 fragment kt is the accumulators of n8 blocks 2 kt and 2 kt + 1.
+      uint32_t p_frag[N / 16][4];
 #pragma unroll
       for (int kt = 0; kt < N / 16; ++kt) {
         p_frag[kt][0] = pack2(s_acc[8 * kt + 0], s_acc[8 * kt + 1], Elem{});
@@ -221,17 +192,16 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
         p_frag[kt][2] = pack2(s_acc[8 * kt + 4], s_acc[8 * kt + 5], Elem{});
         p_frag[kt][3] = pack2(s_acc[8 * kt + 6], s_acc[8 * kt + 7], Elem{});
       }
-      if (late) {
-        pending = true, pending_v = v_addr;
-      } else {
-        wgmma::fence();
-        issue_pv(v_addr);
-        wgmma::wait<0>();
-      }
-    }
-    if (late && pending) {  // the last seen tile's product (its V stage is not reloaded: no tile follows)
       wgmma::fence();
-      issue_pv(pending_v);
+#pragma unroll
+      for (int kt = 0; kt < N / 16; ++kt) {
+        const uint64_t v_desc = wgmma::mn_major(v_addr, kt, N * 128);
+        if constexpr (D == 128)
+          wgmma::m64n128k16_rs_tb(o_acc, p_frag[kt], v_desc, true, Elem{});
+        else
+          wgmma::m64n64k16_rs_tb(o_acc, p_frag[kt], v_desc, true, Elem{});
+      }
+      wgmma::commit();
       wgmma::wait<0>();
     }
     cp_async_wait<0>();
