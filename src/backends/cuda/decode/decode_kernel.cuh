@@ -201,13 +201,9 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
 
   for (int item_index = linear / p.num_kv_heads; item_index < num_items; item_index += gridDim.x) {
     const WorkItem it = plan.items[item_index];
-    const int b = it.request;
-    const int rows_total = (it.qo_end - it.qo_begin) * group;
-    if (row0 >= rows_total) continue;
-    const int rows = min(Tr::kRows, rows_total - row0);
-    const int qo_start = plan.qo_indptr[b];
-    const int qo_len = plan.qo_indptr[b + 1] - qo_start;
-    const int kv_len = plan.kv_len[b];
+    ItemRows m;
+    if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
+    const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
 
     // Q rows -> shared (zeros past `rows`); committed with the first K/V tile (fp8: after the prologue below).
     if constexpr (!kFp8) load_query_rows<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);

@@ -107,6 +107,24 @@ __device__ __forceinline__ QueryRow query_row(const WorkItem& it, int rr, int gr
   return {it.qo_begin + rr / group, kv_head * group + rr % group};
 }
 
+// A CTA's share of a work item: its packed rows (row0 .. row0 + rows - 1, at most kRows), the request's first
+// query token in Q and O, and its query and KV lengths. False when the item has no row from row0 on.
+struct ItemRows {
+  int b, rows, qo_start, qo_len, kv_len;
+};
+template <int kRows>
+__device__ __forceinline__ bool item_rows(const PlanView& plan, const WorkItem& it, int group, int row0,
+                                          ItemRows& m) {
+  const int rows_total = (it.qo_end - it.qo_begin) * group;
+  if (row0 >= rows_total) return false;
+  m.b = it.request;
+  m.rows = min(kRows, rows_total - row0);
+  m.qo_start = plan.qo_indptr[m.b];
+  m.qo_len = plan.qo_indptr[m.b + 1] - m.qo_start;
+  m.kv_len = plan.kv_len[m.b];
+  return true;
+}
+
 // Copies kRows packed query rows starting at row0 into swizzled shared memory with cp.async (zeros past `rows`):
 // swizzle<D> rows, or wgmma panels (panel_bytes) with kPanels. The caller commits the group.
 template <int D, int kRows, int kThreads, bool kPanels = false>

@@ -175,13 +175,9 @@ __device__ __forceinline__ void prefill_body(const AttentionParams& p, const Var
   // first, and the light ones fill the tail of the wave.
   for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
     const WorkItem it = plan.items[num_items - 1 - index];
-    const int b = it.request;
-    const int rows_total = (it.qo_end - it.qo_begin) * group;
-    if (row0 >= rows_total) continue;
-    const int rows = min(Tr::kRows, rows_total - row0);
-    const int qo_start = plan.qo_indptr[b];
-    const int qo_len = plan.qo_indptr[b + 1] - qo_start;
-    const int kv_len = plan.kv_len[b];
+    ItemRows m;
+    if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
+    const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
 
     load_query_rows<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);
     // The KV a packed row r of the CTA may see: the built-in masks', or the whole item for a custom variant (its

@@ -65,6 +65,8 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
   // Items in reverse plan order, as prefill_kernel: each request's heaviest causal tiles first.
   for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
     const WorkItem it = plan.items[num_items - 1 - index];
+    // item_rows (tiles.cuh) written out: through the helper this kernel's SASS differed (same length), and its
+    // H200 figures are for this code.
     const int b = it.request;
     const int rows_total = (it.qo_end - it.qo_begin) * group;
     if (row0 >= rows_total) continue;
