@@ -21,6 +21,7 @@
 #include "attnforge/devices.h"
 #include "attnforge/dlpack.h"
 #include "backends/cpu/convert.h"
+#include "core/env.h"
 #include "testing/compare.h"
 
 namespace attnforge {
@@ -128,6 +129,41 @@ void expect_broken_plan(PlanKind kind, const std::function<void(BatchPlanArgs&, 
 
 constexpr PlanKind kDecode = PlanKind::kDecode, kPrefill = PlanKind::kPrefill;
 constexpr ErrorKind kInvalid = ErrorKind::kInvalidArgument;
+
+// The ATTNFORGE_* knobs (core/env.h): unset or empty gives the default; anything outside the accepted set is an
+// error naming the variable, the value and the set.
+TEST(EnvSettings, ValuesOutsideTheSetAreRefusedByName) {
+  const char* name = "ATTNFORGE_TEST_KNOB";
+  auto refused = [&](const char* value, auto read, const std::string& words) {
+    setenv(name, value, 1);
+    try {
+      read();
+      ADD_FAILURE() << name << "=" << value << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  auto choice = [&] { return detail::env_choice(name, {"auto", "0", "1"}, "auto"); };
+  auto number = [&] { return detail::env_int(name, 1, 4096, 7); };
+  unsetenv(name);
+  EXPECT_EQ(choice(), "auto");
+  EXPECT_EQ(number(), 7);
+  setenv(name, "", 1);
+  EXPECT_EQ(choice(), "auto");
+  EXPECT_EQ(number(), 7);
+  setenv(name, "0", 1);
+  EXPECT_EQ(choice(), "0");
+  setenv(name, "12", 1);
+  EXPECT_EQ(number(), 12);
+  refused("2", choice, "ATTNFORGE_TEST_KNOB '2': expected one of {auto, 0, 1}");
+  refused("on", choice, "ATTNFORGE_TEST_KNOB 'on': expected one of {auto, 0, 1}");
+  refused("0", number, "ATTNFORGE_TEST_KNOB '0': expected an integer in [1, 4096]");
+  refused("4097", number, "'4097'");
+  refused("8x", number, "'8x'");
+  refused("99999999999999999999", number, "expected an integer in [1, 4096]");
+  unsetenv(name);
+}
 
 TEST(PlanErrors, ValidArgsPlan) {
   for (KVFormat format : {KVFormat::kPagedCSR, KVFormat::kBlockTable, KVFormat::kRagged})

@@ -685,7 +685,7 @@ TEST(JitLaunch, DecodeStagesFromTheEnvironment) {
   EXPECT_EQ(jit.key_for(PlanKind::kPrefill, bf16).name(), "prefill_d128_bf16_sm90a");  // decode only
   for (const auto& [value, words] : std::vector<std::pair<const char*, const char*>>{
            {"4", "decode_tile.stages 4: the decode kernel takes {2, 3} ({2, 3, 4} with fp8 K/V)"},
-           {"three", "ATTNFORGE_DECODE_STAGES 'three': expected a stage count such as 2, 3 or 4"},
+           {"three", "ATTNFORGE_DECODE_STAGES 'three': expected an integer in [1, 16]"},
            {"0", "ATTNFORGE_DECODE_STAGES '0'"}}) {
     setenv("ATTNFORGE_DECODE_STAGES", value, 1);
     try {

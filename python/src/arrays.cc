@@ -16,6 +16,7 @@
 
 #include "attnforge/dlpack.h"
 #include "core/check.h"
+#include "core/env.h"
 #include "torch_reader.h"
 
 namespace nb = nanobind;
@@ -97,13 +98,10 @@ struct ReaderLookup {
 const ReaderLookup& torch_reader() {
   static const ReaderLookup lookup = [] {
     ReaderLookup r;
-    if (const char* v = std::getenv("ATTNFORGE_TORCH_READER")) {  // 0: the attribute reads, for A/B runs and tests
-      if (std::string(v) != "0" && std::string(v) != "1")
-        detail::fail_arg("ATTNFORGE_TORCH_READER={}: expected 0 or 1", v);
-      if (std::string(v) == "0") {
-        r.why = "ATTNFORGE_TORCH_READER=0";
-        return r;
-      }
+    // 0: the attribute reads, for A/B runs and tests.
+    if (detail::env_choice("ATTNFORGE_TORCH_READER", {"0", "1"}, "1") == "0") {
+      r.why = "ATTNFORGE_TORCH_READER=0";
+      return r;
     }
     PyObject* module = PyImport_ImportModule("attnforge._torch_reader");
     if (module == nullptr) {

@@ -1,8 +1,32 @@
 #include "core/check.h"
+#include "core/env.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 
 namespace attnforge::detail {
+
+std::string env_choice(const char* name, std::initializer_list<const char*> accepted, const char* unset) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return unset;
+  std::string set;
+  for (const char* a : accepted) {
+    if (std::string(a) == v) return v;
+    set += set.empty() ? a : std::string(", ") + a;
+  }
+  fail_arg("{} '{}': expected one of {{{}}}", name, v, set);
+}
+
+int env_int(const char* name, int lo, int hi, int unset) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return unset;
+  char* end = nullptr;
+  errno = 0;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || errno != 0 || n < lo || n > hi) fail_arg("{} '{}': expected an integer in [{}, {}]", name, v, lo, hi);
+  return static_cast<int>(n);
+}
 
 std::string dtype_set_string(std::initializer_list<DType> allowed) {
   std::string s = "{";

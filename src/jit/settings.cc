@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "core/check.h"
+#include "core/env.h"
 
 namespace attnforge::jit {
 
@@ -95,10 +96,8 @@ void set_quiet(bool quiet) {
 namespace {
 std::atomic<int> kernels_override{-1};
 CudaKernels kernels_from_env() {
-  const std::string v = env("ATTNFORGE_KERNELS");
-  if (v.empty() || v == "nvcc") return CudaKernels::kNvcc;
-  if (v == "nvrtc") return CudaKernels::kNvrtc;
-  detail::fail_arg("ATTNFORGE_KERNELS '{}': expected one of {{nvcc, nvrtc}}", v);
+  return detail::env_choice("ATTNFORGE_KERNELS", {"nvcc", "nvrtc"}, "nvcc") == "nvrtc" ? CudaKernels::kNvrtc
+                                                                                      : CudaKernels::kNvcc;
 }
 }  // namespace
 

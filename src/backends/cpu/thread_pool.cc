@@ -1,9 +1,9 @@
 #include "backends/cpu/thread_pool.h"
 
-#include <cstdlib>
 #include <string>
 
 #include "backends/cpu/kernels.h"
+#include "core/env.h"
 
 namespace attnforge::cpu {
 
@@ -11,10 +11,7 @@ namespace {
 thread_local int32_t t_worker = -1;  // the worker running a task on this thread, -1 outside tasks
 
 int32_t threads_from_env() {
-  if (const char* s = std::getenv("ATTNFORGE_NUM_THREADS")) {
-    const int v = std::atoi(s);
-    if (v > 0) return v;
-  }
+  if (const int v = detail::env_int("ATTNFORGE_NUM_THREADS", 1, 4096, 0); v > 0) return v;
   const unsigned hw = std::thread::hardware_concurrency();
   return hw > 0 ? static_cast<int32_t>(hw) : 1;
 }

@@ -11,6 +11,7 @@
 #include "backends/cuda/merge/merge.h"
 #include "backends/cuda/prefill/prefill.h"
 #include "core/check.h"
+#include "core/env.h"
 #include "jit/kernel_cache.h"
 
 namespace attnforge::cuda {
@@ -41,13 +42,9 @@ jit::KernelKey JitKernels::key_for(PlanKind kind, const AttentionShape& shape, b
     return jit::prefill_key(shape, arch_, rope, tile);
   }
   // ATTNFORGE_DECODE_STAGES: the decode tile's cp.async stages for tuning runs (README); the key validates it.
-  const char* stages = std::getenv("ATTNFORGE_DECODE_STAGES");
-  if (stages == nullptr || *stages == '\0') return jit::decode_key(shape, arch_);
-  char* end = nullptr;
-  const long n = std::strtol(stages, &end, 10);
-  if (*end != '\0' || n < 1 || n > 16)
-    detail::fail_arg("ATTNFORGE_DECODE_STAGES '{}': expected a stage count such as 2, 3 or 4", stages);
-  return jit::decode_key(shape, arch_, jit::DecodeTile{static_cast<int32_t>(n)});
+  const int stages = detail::env_int("ATTNFORGE_DECODE_STAGES", 1, 16, 0);
+  if (stages == 0) return jit::decode_key(shape, arch_);
+  return jit::decode_key(shape, arch_, jit::DecodeTile{stages});
 }
 
 const JitKernels::Kernels& JitKernels::kernels(const jit::KernelKey& key) {

@@ -1,9 +1,9 @@
 #include "backends/cuda/merge/merge.h"
 
-#include <cstdlib>
 #include <string>
 
 #include "attnforge/error.h"
+#include "core/env.h"
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/merge/merge_kernel.cuh"
@@ -32,10 +32,7 @@ LaunchConfig attention_launch_config(const AttentionParams& p, int rows_per_cta,
 
 bool merge_programmatic_launch() {
   static const bool allowed = [] {
-    const char* v = std::getenv("ATTNFORGE_MERGE_PDL");
-    if (v && std::string(v) != "0" && std::string(v) != "1")
-      throw Error(ErrorKind::kInvalidArgument, "ATTNFORGE_MERGE_PDL=" + std::string(v) + ": expected 0 or 1");
-    return !(v && std::string(v) == "0");
+    return detail::env_choice("ATTNFORGE_MERGE_PDL", {"0", "1"}, "1") == "1";
   }();
   static PerDevice hopper;  // 2: compute capability 9.0 or newer, 1: older (PerDevice keeps 0 for "not yet asked")
   return allowed && hopper.get([] {

@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "attnforge/error.h"
+#include "core/env.h"
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/kernel_config.h"
@@ -91,12 +91,8 @@ bool on_sm90() {
 // Read on every launch and plan, so an atomic; the environment is read once.
 std::atomic<int> wgmma_override{-1};
 PrefillWgmma wgmma_from_env() {
-  const char* v = std::getenv("ATTNFORGE_PREFILL_WGMMA");
-  const std::string s = v ? v : "";
-  if (s.empty() || s == "auto") return PrefillWgmma::kAuto;
-  if (s == "0") return PrefillWgmma::kOff;
-  if (s == "1") return PrefillWgmma::kOn;
-  throw Error(ErrorKind::kInvalidArgument, "ATTNFORGE_PREFILL_WGMMA '" + s + "': expected one of {auto, 0, 1}");
+  const std::string s = detail::env_choice("ATTNFORGE_PREFILL_WGMMA", {"auto", "0", "1"}, "auto");
+  return s == "auto" ? PrefillWgmma::kAuto : s == "0" ? PrefillWgmma::kOff : PrefillWgmma::kOn;
 }
 
 // Sets the Hopper kernel's attributes once per instantiation and device; returns the CTAs one SM holds (one).
