@@ -584,6 +584,46 @@ TEST(CudaWgmma, PrefillKernelSelectionFollowsTheSetting) {
   cuda::set_prefill_wgmma(before);
 }
 
+// The planner balances a prefill plan over the CTAs per SM of the kernel that runs its tiles: plans of 64-row
+// tiles run the portable kernel whatever the setting and are split alike (with the setting on they were once
+// balanced over the Hopper kernel's one CTA per SM: verify 64 x 8 + 4096 ran 383 -> 444 us); plans of 128-row
+// tiles on sm_90 are balanced over one CTA per SM, so they split less than for the portable kernel's two.
+TEST(CudaWgmma, PlansBalanceOverTheKernelThatRunsTheirTiles) {
+  int device = 0, major = 0, minor = 0;
+  ASSERT_EQ(cudaSuccess, cudaGetDevice(&device));
+  ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  const cuda::PrefillWgmma before = cuda::prefill_wgmma();
+  auto plan_with = [](cuda::PrefillWgmma mode, const CaseSpec& s) {
+    cuda::set_prefill_wgmma(mode);
+    const Case c = make_case(s);  // plan_args() views the case's metadata
+    BatchPlanArgs args = c.plan_args();
+    args.device = Device::cuda(0);
+    return plan_batch_prefill(args);
+  };
+  CaseSpec verify;  // 8 draft tokens x 4 heads of a group: 32 rows, the 64-row tile
+  verify.kind = PlanKind::kPrefill;
+  verify.num_qo_heads = 32, verify.num_kv_heads = 8, verify.head_dim_qk = 128, verify.page_size = 16;
+  verify.qo_lens = std::vector<int32_t>(16, 8);
+  verify.kv_lens = std::vector<int32_t>(16, 1024);
+  verify.options.causal = true;
+  const AttentionPlan on = plan_with(cuda::PrefillWgmma::kAuto, verify);
+  const AttentionPlan off = plan_with(cuda::PrefillWgmma::kOff, verify);
+  EXPECT_EQ(on.tile_rows, 64) << on.describe();
+  EXPECT_EQ(on.describe(), off.describe());
+  CaseSpec long_kv = verify;  // one 128-row tile per request over long KV: split to fill the SMs
+  long_kv.qo_lens = {32, 32};
+  long_kv.kv_lens = {8192, 8192};
+  const AttentionPlan on_long = plan_with(cuda::PrefillWgmma::kAuto, long_kv);
+  const AttentionPlan off_long = plan_with(cuda::PrefillWgmma::kOff, long_kv);
+  EXPECT_EQ(on_long.tile_rows, 128) << on_long.describe();
+  if (major == 9 && minor == 0)
+    EXPECT_GT(on_long.kv_chunk, off_long.kv_chunk) << on_long.describe() << "\n" << off_long.describe();
+  else
+    EXPECT_EQ(on_long.describe(), off_long.describe());
+  cuda::set_prefill_wgmma(before);
+}
+
 // Runs of one uploaded plan on one workspace, one after another, must each be right and bit-identical: nothing a
 // run leaves in the workspace (partial states, metadata) may leak into the next.
 TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
