@@ -24,7 +24,8 @@ int env_int(const char* name, int lo, int hi, int unset) {
   char* end = nullptr;
   errno = 0;
   const long n = std::strtol(v, &end, 10);
-  if (*end != '\0' || errno != 0 || n < lo || n > hi) fail_arg("{} '{}': expected an integer in [{}, {}]", name, v, lo, hi);
+  if (*end != '\0' || errno != 0 || n < lo || n > hi)
+    fail_arg("{} '{}': expected an integer in [{}, {}]", name, v, lo, hi);
   return static_cast<int>(n);
 }
 

@@ -206,7 +206,8 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     }
   }
 
-  const int32_t workers = a.options.num_workers > 0 ? a.options.num_workers : backend.num_workers(shape, kind, plan.tile_rows);
+  const int32_t workers =
+      a.options.num_workers > 0 ? a.options.num_workers : backend.num_workers(shape, kind, plan.tile_rows);
   planner::SplitInput in;
   in.num_tiles = static_cast<int64_t>(tiles.size());
   in.num_kv_heads = shape.num_kv_heads;
