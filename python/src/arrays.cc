@@ -11,7 +11,6 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
-#include <cstdlib>
 #include <cstring>
 
 #include "attnforge/dlpack.h"

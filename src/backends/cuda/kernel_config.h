@@ -63,6 +63,18 @@ class PerDevice {
   std::array<std::atomic<int>, 64> values_{};
 };
 
+// The current device's compute capability as 10 x major + minor (90: Hopper), asked once per device.
+inline int compute_capability() {
+  static PerDevice cc;
+  return cc.get([] {
+    int device = 0, major = 0, minor = 0;
+    ATTNFORGE_CUDA_CHECK(cudaGetDevice(&device));
+    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    return 10 * major + minor;
+  });
+}
+
 // Raises the kernel's dynamic shared memory limit to smem_bytes and sets its shared-memory carveout (100: prefer
 // shared memory over L1, so the CTAs the occupancy calculation counts on fit); returns the CTAs of `threads`
 // threads one SM holds. Callers keep the result in a function-local PerDevice: once per instantiation and device.

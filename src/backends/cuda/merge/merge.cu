@@ -31,16 +31,8 @@ LaunchConfig attention_launch_config(const AttentionParams& p, int rows_per_cta,
 }
 
 bool merge_programmatic_launch() {
-  static const bool allowed = [] {
-    return detail::env_choice("ATTNFORGE_MERGE_PDL", {"0", "1"}, "1") == "1";
-  }();
-  static PerDevice hopper;  // 2: compute capability 9.0 or newer, 1: older (PerDevice keeps 0 for "not yet asked")
-  return allowed && hopper.get([] {
-    int device = 0, major = 0;
-    ATTNFORGE_CUDA_CHECK(cudaGetDevice(&device));
-    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    return major >= 9 ? 2 : 1;
-  }) == 2;
+  static const bool allowed = detail::env_choice("ATTNFORGE_MERGE_PDL", {"0", "1"}, "1") == "1";
+  return allowed && compute_capability() >= 90;
 }
 
 void run_merge(const AttentionParams& p, cudaStream_t stream) {

@@ -76,17 +76,6 @@ void launch_variant(const AttentionParams& p, const KernelDims& dims, cudaStream
   launch_rope<D, prefill_rows(D)>(p, dims, stream);
 }
 
-bool on_sm90() {
-  static PerDevice sm90;  // 2: compute capability 9.0, 1: other (0 is PerDevice's "not yet asked")
-  return sm90.get([] {
-    int device = 0, major = 0, minor = 0;
-    ATTNFORGE_CUDA_CHECK(cudaGetDevice(&device));
-    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    return major == 9 && minor == 0 ? 2 : 1;
-  }) == 2;
-}
-
 // Read on every launch and plan, so an atomic; the environment is read once.
 std::atomic<int> wgmma_override{-1};
 PrefillWgmma wgmma_from_env() {
@@ -162,7 +151,7 @@ bool prefill_wgmma_serves(int head_dim, int rows) {
   const PrefillWgmma mode = prefill_wgmma();
   if (mode == PrefillWgmma::kOff || rows != prefill_rows(head_dim)) return false;
   if (head_dim != 128 && (head_dim != 64 || mode != PrefillWgmma::kOn)) return false;
-  return on_sm90();
+  return compute_capability() == 90;  // sm_90a code runs on 9.0 only
 }
 
 int prefill_ctas_per_sm(int head_dim, int rows) {
