@@ -126,12 +126,13 @@ __device__ __forceinline__ bool item_rows(const PlanView& plan, const WorkItem& 
 }
 
 // Copies kRows packed query rows starting at row0 into swizzled shared memory with cp.async (zeros past `rows`):
-// swizzle<D> rows, or wgmma panels (panel_bytes) with kPanels. The caller commits the group.
-template <int D, int kRows, int kThreads, bool kPanels = false>
+// swizzle<D> rows, or wgmma panels (panel_bytes) with kPanels. The caller commits the group. Threads kFirstThread
+// .. kFirstThread + kThreads - 1 copy.
+template <int D, int kRows, int kThreads, bool kPanels = false, int kFirstThread = 0>
 __device__ __forceinline__ void load_query_rows(const AttentionParams& p, const WorkItem& it, int qo_start, int row0,
                                                 int rows, int group, int kv_head, uint16_t* sQ) {
   constexpr int kChunks = D / 8;
-  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+  for (int i = static_cast<int>(threadIdx.x) - kFirstThread; i < kRows * kChunks; i += kThreads) {
     const int r = i / kChunks, c = i % kChunks;
     const QueryRow q = query_row(it, row0 + min(r, rows - 1), group, kv_head);
     const uint16_t* src =
@@ -296,38 +297,56 @@ struct KVTileLoader {
   // Shared slots (the prefill kernel) keep the 64-bit products (on the same per-tile base): there the narrow form
   // raised ptxas's spills at head_dim 128 from 36 to 60 bytes.
   __device__ __forceinline__ void load(int t, void* sK, void* sV) const {
-    const int chunk = threadIdx.x % kChunks;
-    const uint8_t* k_base = static_cast<const uint8_t*>(kv.k) + kv_head * kv.k_stride_head * kElemBytes + chunk * 16;
-    const uint8_t* v_base = static_cast<const uint8_t*>(kv.v) + kv_head * kv.v_stride_head * kElemBytes + chunk * 16;
-    const uint32_t k_page_bytes = static_cast<uint32_t>(kv.k_stride_page * kElemBytes);
-    const uint32_t k_token_bytes = static_cast<uint32_t>(kv.k_stride_token * kElemBytes);
-    const uint32_t v_page_bytes = static_cast<uint32_t>(kv.v_stride_page * kElemBytes);
-    const uint32_t v_token_bytes = static_cast<uint32_t>(kv.v_stride_token * kElemBytes);
+    const RowBases rb = row_bases();
     #pragma unroll
-    for (int k = 0; k < kLoadRows; ++k) {
-      const int r = row(k);
-      const int token = first + t * kTileTokens + r;
-      const bool valid = token < last;
-      const int32_t slot =
-          kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
-      const uint8_t* ksrc = static_cast<const uint8_t*>(kv.k);  // an invalid row copies nothing from a valid address
-      const uint8_t* vsrc = static_cast<const uint8_t*>(kv.v);
-      if (valid) {
-        const int32_t page = kPageSlots > 0 ? slots[(t % kPageSlots) * kTileTokens + r] : pages[k];
-        if constexpr (kPageSlots == 0) {
-          const uint32_t page_u = static_cast<uint32_t>(page), slot_u = static_cast<uint32_t>(slot);  // both >= 0
-          ksrc = k_base + (static_cast<uint64_t>(page_u) * k_page_bytes + static_cast<uint64_t>(slot_u) * k_token_bytes);
-          vsrc = v_base + (static_cast<uint64_t>(page_u) * v_page_bytes + static_cast<uint64_t>(slot_u) * v_token_bytes);
-        } else {
-          const int64_t page64 = page, slot64 = slot;
-          ksrc = k_base + (page64 * kv.k_stride_page + slot64 * kv.k_stride_token) * kElemBytes;
-          vsrc = v_base + (page64 * kv.v_stride_page + slot64 * kv.v_stride_token) * kElemBytes;
-        }
+    for (int k = 0; k < kLoadRows; ++k) copy_row(rb, k, t, sK, sV);
+  }
+  // One row at a time: the copying warpgroup of prefill_wgmma_ws_body, which has few registers.
+  __device__ __forceinline__ void load_serial(int t, void* sK, void* sV) const {
+    const RowBases rb = row_bases();
+    #pragma unroll 1
+    for (int k = 0; k < kLoadRows; ++k) copy_row(rb, k, t, sK, sV);
+  }
+
+ private:
+  struct RowBases {
+    const uint8_t* k_base;
+    const uint8_t* v_base;
+    uint32_t k_page_bytes, k_token_bytes, v_page_bytes, v_token_bytes;
+  };
+  __device__ __forceinline__ RowBases row_bases() const {
+    const int chunk = threadIdx.x % kChunks;
+    return {static_cast<const uint8_t*>(kv.k) + kv_head * kv.k_stride_head * kElemBytes + chunk * 16,
+            static_cast<const uint8_t*>(kv.v) + kv_head * kv.v_stride_head * kElemBytes + chunk * 16,
+            static_cast<uint32_t>(kv.k_stride_page * kElemBytes), static_cast<uint32_t>(kv.k_stride_token * kElemBytes),
+            static_cast<uint32_t>(kv.v_stride_page * kElemBytes), static_cast<uint32_t>(kv.v_stride_token * kElemBytes)};
+  }
+  __device__ __forceinline__ void copy_row(const RowBases& rb, int k, int t, void* sK, void* sV) const {
+    const int chunk = threadIdx.x % kChunks;
+    const int r = row(k);
+    const int token = first + t * kTileTokens + r;
+    const bool valid = token < last;
+    const int32_t slot =
+        kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
+    const uint8_t* ksrc = static_cast<const uint8_t*>(kv.k);  // an invalid row copies nothing from a valid address
+    const uint8_t* vsrc = static_cast<const uint8_t*>(kv.v);
+    if (valid) {
+      const int32_t page = kPageSlots > 0 ? slots[(t % kPageSlots) * kTileTokens + r] : pages[k];
+      if constexpr (kPageSlots == 0) {
+        const uint32_t page_u = static_cast<uint32_t>(page), slot_u = static_cast<uint32_t>(slot);  // both >= 0
+        ksrc = rb.k_base +
+               (static_cast<uint64_t>(page_u) * rb.k_page_bytes + static_cast<uint64_t>(slot_u) * rb.k_token_bytes);
+        vsrc = rb.v_base +
+               (static_cast<uint64_t>(page_u) * rb.v_page_bytes + static_cast<uint64_t>(slot_u) * rb.v_token_bytes);
+      } else {
+        const int64_t page64 = page, slot64 = slot;
+        ksrc = rb.k_base + (page64 * kv.k_stride_page + slot64 * kv.k_stride_token) * kElemBytes;
+        vsrc = rb.v_base + (page64 * kv.v_stride_page + slot64 * kv.v_stride_token) * kElemBytes;
       }
-      const int dst = kPanels ? panel_bytes<kTileTokens>(r, chunk) : swizzle_bytes<kRowBytes>(r, chunk);
-      cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, valid ? 16 : 0);
-      cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc, valid ? 16 : 0);
     }
+    const int dst = kPanels ? panel_bytes<kTileTokens>(r, chunk) : swizzle_bytes<kRowBytes>(r, chunk);
+    cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, valid ? 16 : 0);
+    cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc, valid ? 16 : 0);
   }
 };
 

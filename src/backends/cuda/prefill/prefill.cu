@@ -90,14 +90,20 @@ int configure_wgmma() {
   return configured.get([] { return configure_kernel(prefill_wgmma_kernel<Tr>, Tr::kThreads, Tr::kSmemBytes); });
 }
 
-template <int D, typename Elem>
-void launch_wgmma(const AttentionParams& p, KernelDims dims, cudaStream_t stream) {
-  using Tr = PrefillWgmmaTraits<D, Elem>;
+template <int D, typename Elem, bool kWarpSpecialized>
+void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t stream) {
+  using Tr = PrefillWgmmaTraits<D, Elem, kWarpSpecialized>;
   configure_wgmma<Tr>();
   dims.block = dim3(Tr::kThreads);
   dims.smem_bytes = Tr::kSmemBytes;
   prefill_wgmma_kernel<Tr><<<dims.grid, dims.block, dims.smem_bytes, stream>>>(p);
   ATTNFORGE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int D, typename Elem>
+void launch_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
+  prefill_wgmma_warp_specialized() ? launch_wgmma_form<D, Elem, true>(p, dims, stream)
+                                   : launch_wgmma_form<D, Elem, false>(p, dims, stream);
 }
 
 // Launches the Hopper kernel when it is requested and serves the plan; false otherwise.
@@ -152,6 +158,11 @@ bool prefill_wgmma_serves(int head_dim, int rows) {
   if (mode == PrefillWgmma::kOff || rows != prefill_rows(head_dim)) return false;
   if (head_dim != 128 && (head_dim != 64 || mode != PrefillWgmma::kOn)) return false;
   return compute_capability() == 90;  // sm_90a code runs on 9.0 only
+}
+
+bool prefill_wgmma_warp_specialized() {
+  static const bool on = detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1"}, "0") == "1";
+  return on;
 }
 
 int prefill_ctas_per_sm(int head_dim, int rows) {

@@ -12,6 +12,7 @@
 
 #include "attnforge/kernel/params.h"
 #include "attnforge/kernel/variant.h"
+#include "backends/cuda/device/mbarrier.cuh"
 #include "backends/cuda/device/ptx.cuh"
 #include "backends/cuda/device/tiles.cuh"
 #include "backends/cuda/device/wgmma.cuh"
@@ -19,13 +20,21 @@
 
 namespace attnforge::cuda {
 
-template <int kHeadDim_, typename Elem_>
+// kWarpSpecialized: a third warpgroup copies the K/V tiles into the stages (prefill_wgmma_ws_body) and the two
+// that compute never meet at a CTA barrier inside an item; otherwise all 256 threads copy every tile and meet at
+// a barrier per tile (prefill_wgmma_body).
+template <int kHeadDim_, typename Elem_, bool kWarpSpecialized_ = false>
 struct PrefillWgmmaTraits {
   using Elem = Elem_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kWarpgroups = 2;
-  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr bool kWarpSpecialized = kWarpSpecialized_;
+  static constexpr int kWarpgroups = 2;  // the warpgroups that compute, 64 rows each
+  static constexpr int kThreads = 128 * (kWarpgroups + (kWarpSpecialized ? 1 : 0));
   static constexpr int kWarps = kThreads / 32;
+  // Registers per thread after the producer hands its share to the consumers (setmaxnreg; 2 x 128 x 240 + 128 x 32
+  // = the SM's 65,536). ptxas sm_90a: the producer's code spills 12 bytes at 32 (none at 80); the consumers' none.
+  static constexpr int kProducerRegs = 32;
+  static constexpr int kConsumerRegs = 240;
   static constexpr int kRows = 64 * kWarpgroups;  // prefill_rows(kHeadDim): the planner's tiles fit
   static constexpr int kTileTokens = 128;         // K/V tokens per stage and softmax step: S is m64n128
   static constexpr int kStages = 2;
@@ -36,6 +45,141 @@ struct PrefillWgmmaTraits {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128: O is one m64n64 or m64n128 product");
   static_assert(kRows == prefill_rows(kHeadDim), "the planner's 128-row query tiles");
 };
+
+// One warpgroup's running state for this thread's two rows (warp_row0 + lane / 4 and + 8).
+template <int D>
+struct WgmmaRows {
+  float o_acc[D / 2];  // m64 x D accumulators: n8 block n, element e at o_acc[4 n + e]
+  float m_run[2], l_run[2];
+};
+
+template <int D>
+__device__ __forceinline__ void wgmma_reset_rows(WgmmaRows<D>& st) {
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) st.o_acc[i] = 0.f;
+  st.m_run[0] = st.m_run[1] = -ATTNFORGE_INFINITY;
+  st.l_run[0] = st.l_run[1] = 0.f;
+}
+
+// What one thread knows of its item and rows; w_max_lo / w_min_hi: the intersection of the warp's row ranges.
+struct WgmmaItem {
+  WorkItem it;
+  int b, rows, row0, group, kv_head, qo_start, qo_len, kv_len, warp_row0, lane, w_max_lo, w_min_hi;
+  float scale_log2;
+  bool transform;
+};
+
+// One K/V tile for one warpgroup's 64 rows (Q at q_addr, the tile's K and V panels at k_addr / v_addr): S = Q K^T,
+// the masks and the online softmax on the accumulators, O += P V; returns when both products have completed.
+template <class Tr>
+__device__ __forceinline__ void wgmma_attend_tile(const AttentionParams& p, const WgmmaItem& c,
+                                                  WgmmaRows<Tr::kHeadDim>& st, uint32_t q_addr, uint32_t k_addr,
+                                                  uint32_t v_addr, int tile_start) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Elem = typename Tr::Elem;
+  constexpr int D = Tr::kHeadDim, N = Tr::kTileTokens;
+  const VariantParams& vp = p.variant;
+  const KVParams& kv = p.kv;
+  const WorkItem& it = c.it;
+  // S = Q K^T (64 rows x 128 tokens), 16 head dims a product: panel k / 4, step k % 4 in it.
+  float s_acc[N / 2];
+  wgmma::fence();
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k)
+    wgmma::m64n128k16_ss(s_acc, wgmma::k_major(q_addr + (k / 4) * (Tr::kRows * 128), k % 4),
+                         wgmma::k_major(k_addr + (k / 4) * (N * 128), k % 4), k > 0, Elem{});
+  wgmma::commit();
+  wgmma::wait<0>();
+
+  // Mask and online softmax, as prefill_kernel (one m tile: s_acc[4 n + e] is its s_acc[0][n][e]).
+  const bool plain = !c.transform && !vp.custom_mask && tile_start >= c.w_max_lo && tile_start + N <= c.w_min_hi;
+  const float s_mul = plain ? c.scale_log2 : 1.f;
+  float tile_max[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY};
+  if (plain) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s_acc[i]);
+    tile_max[0] *= c.scale_log2;
+    tile_max[1] *= c.scale_log2;
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = c.warp_row0 + c.lane / 4 + 8 * h;
+      const QueryRow q = query_row(it, c.row0 + r, c.group, c.kv_head);
+      const int q_pos = query_position(q.tok, c.qo_len, c.kv_len);
+      int lo, hi;
+      row_kv_range(vp, it, r, c.rows, c.row0 + r, c.group, c.qo_len, c.kv_len, &lo, &hi);
+#pragma unroll
+      for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const int j = tile_start + n * 8 + 2 * (c.lane % 4) + (e % 2);
+          const float x = builtin_logit(vp, kv, s_acc[4 * n + e], j >= lo && j < hi, c.transform, c.scale_log2, c.b,
+                                        q.tok, q.head, q_pos, j, c.kv_len);
+          s_acc[4 * n + e] = x;
+          tile_max[h] = fmaxf(tile_max[h], x);
+        }
+    }
+  }
+  float corr[2], m_sub[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float m_new = fmaxf(st.m_run[h], warp_max_quad(tile_max[h]));
+    m_sub[h] = m_new == -ATTNFORGE_INFINITY ? 0.f : m_new;
+    corr[h] = fast_exp2(st.m_run[h] - m_sub[h]);
+    st.m_run[h] = m_new;
+    st.l_run[h] *= corr[h];
+  }
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const float pr = fast_exp2(fmaf(s_acc[i], s_mul, -m_sub[(i % 4) / 2]));
+    s_acc[i] = pr;
+    st.l_run[(i % 4) / 2] += pr;
+  }
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) st.o_acc[i] *= corr[(i % 4) / 2];
+
+  // O += P V, 16 tokens a product: P's k16 fragment kt is the accumulators of n8 blocks 2 kt and 2 kt + 1.
+  uint32_t p_frag[N / 16][4];
+#pragma unroll
+  for (int kt = 0; kt < N / 16; ++kt) {
+    p_frag[kt][0] = pack2(s_acc[8 * kt + 0], s_acc[8 * kt + 1], Elem{});
+    p_frag[kt][1] = pack2(s_acc[8 * kt + 2], s_acc[8 * kt + 3], Elem{});
+    p_frag[kt][2] = pack2(s_acc[8 * kt + 4], s_acc[8 * kt + 5], Elem{});
+    p_frag[kt][3] = pack2(s_acc[8 * kt + 6], s_acc[8 * kt + 7], Elem{});
+  }
+  wgmma::fence();
+#pragma unroll
+  for (int kt = 0; kt < N / 16; ++kt) {
+    const uint64_t v_desc = wgmma::mn_major(v_addr, kt, N * 128);
+    if constexpr (D == 128)
+      wgmma::m64n128k16_rs_tb(st.o_acc, p_frag[kt], v_desc, true, Elem{});
+    else
+      wgmma::m64n64k16_rs_tb(st.o_acc, p_frag[kt], v_desc, true, Elem{});
+  }
+  wgmma::commit();
+  wgmma::wait<0>();
+#endif
+}
+
+// Each row's state is complete in its quad of lanes: normalize and write it, as prefill_kernel.
+template <int D>
+__device__ __forceinline__ void wgmma_store_rows(const AttentionParams& p, const WgmmaItem& c,
+                                                 const WgmmaRows<D>& st) {
+  const VariantParams& vp = p.variant;
+  const KVParams& kv = p.kv;
+  const WorkItem& it = c.it;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = warp_sum_quad(st.l_run[h]);
+    const int r = c.warp_row0 + c.lane / 4 + 8 * h;
+    if (r >= c.rows) continue;
+    const QueryRow q = query_row(it, c.row0 + r, c.group, c.kv_head);
+    float lse, f;
+    row_scale<true>(vp, q.head, st.m_run[h], l, kv.v_scale, it.partial_row < 0, &lse, &f);
+    store_quad_row<D>(p, it, q, c.qo_start, f, lse,
+                      [&](int n) { return make_float2(st.o_acc[4 * n + 2 * h], st.o_acc[4 * n + 2 * h + 1]); });
+  }
+}
 
 template <class Tr>
 __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
@@ -107,10 +251,10 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
     cp_async_commit();  // with Q
     if (num_tiles > 1) loader.fetch_pages(1);
 
-    float o_acc[D / 2];  // m64 x D accumulators: n8 block n, element e at o_acc[4 n + e]
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o_acc[i] = 0.f;
-    float m_run[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY}, l_run[2] = {0.f, 0.f};
+    const WgmmaItem c{it, b, rows, row0, group, kv_head, qo_start, qo_len, kv_len, warp_row0, lane, w_max_lo,
+                      w_min_hi, scale_log2, transform};
+    WgmmaRows<D> st;
+    wgmma_reset_rows(st);
     const uint32_t q_addr = smem_address(sQ) + 64 * wg * 128;  // this warpgroup's 64 rows of each Q panel
 
     for (int t = 0; t < num_tiles; ++t) {
@@ -128,100 +272,155 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
       const uint32_t k_addr = smem_address(sK + (t % Tr::kStages) * Tr::kStageBytes);
       const uint32_t v_addr = smem_address(sV + (t % Tr::kStages) * Tr::kStageBytes);
 
-      // S = Q K^T (64 rows x 128 tokens), 16 head dims a product: panel k / 4, step k % 4 in it.
-      float s_acc[N / 2];
-      wgmma::fence();
-#pragma unroll
-      for (int k = 0; k < D / 16; ++k)
-        wgmma::m64n128k16_ss(s_acc, wgmma::k_major(q_addr + (k / 4) * (Tr::kRows * 128), k % 4),
-                             wgmma::k_major(k_addr + (k / 4) * (N * 128), k % 4), k > 0, Elem{});
-      wgmma::commit();
-      wgmma::wait<0>();
-
-      // Mask and online softmax, as prefill_kernel (one m tile: s_acc[4 n + e] is its s_acc[0][n][e]).
-      const bool plain = !transform && !vp.custom_mask && tile_start >= w_max_lo && tile_start + N <= w_min_hi;
-      const float s_mul = plain ? scale_log2 : 1.f;
-      float tile_max[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY};
-      if (plain) {
-#pragma unroll
-        for (int i = 0; i < N / 2; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s_acc[i]);
-        tile_max[0] *= scale_log2;
-        tile_max[1] *= scale_log2;
-      } else {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = warp_row0 + lane / 4 + 8 * h;
-          const QueryRow q = query_row(it, row0 + r, group, kv_head);
-          const int q_pos = query_position(q.tok, qo_len, kv_len);
-          int lo, hi;
-          row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &lo, &hi);
-#pragma unroll
-          for (int n = 0; n < N / 8; ++n)
-#pragma unroll
-            for (int e = 2 * h; e < 2 * h + 2; ++e) {
-              const int j = tile_start + n * 8 + 2 * (lane % 4) + (e % 2);
-              const float x = builtin_logit(vp, kv, s_acc[4 * n + e], j >= lo && j < hi, transform, scale_log2, b,
-                                            q.tok, q.head, q_pos, j, kv_len);
-              s_acc[4 * n + e] = x;
-              tile_max[h] = fmaxf(tile_max[h], x);
-            }
-        }
-      }
-      float corr[2], m_sub[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_new = fmaxf(m_run[h], warp_max_quad(tile_max[h]));
-        m_sub[h] = m_new == -ATTNFORGE_INFINITY ? 0.f : m_new;
-        corr[h] = fast_exp2(m_run[h] - m_sub[h]);
-        m_run[h] = m_new;
-        l_run[h] *= corr[h];
-      }
-#pragma unroll
-      for (int i = 0; i < N / 2; ++i) {
-        const float pr = fast_exp2(fmaf(s_acc[i], s_mul, -m_sub[(i % 4) / 2]));
-        s_acc[i] = pr;
-        l_run[(i % 4) / 2] += pr;
-      }
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) o_acc[i] *= corr[(i % 4) / 2];
-
-      // O += P V, 16 tokens a product: P's k16 fragment kt is the accumulators of n8 blocks 2 kt and 2 kt + 1.
-      uint32_t p_frag[N / 16][4];
-#pragma unroll
-      for (int kt = 0; kt < N / 16; ++kt) {
-        p_frag[kt][0] = pack2(s_acc[8 * kt + 0], s_acc[8 * kt + 1], Elem{});
-        p_frag[kt][1] = pack2(s_acc[8 * kt + 2], s_acc[8 * kt + 3], Elem{});
-        p_frag[kt][2] = pack2(s_acc[8 * kt + 4], s_acc[8 * kt + 5], Elem{});
-        p_frag[kt][3] = pack2(s_acc[8 * kt + 6], s_acc[8 * kt + 7], Elem{});
-      }
-      wgmma::fence();
-#pragma unroll
-      for (int kt = 0; kt < N / 16; ++kt) {
-        const uint64_t v_desc = wgmma::mn_major(v_addr, kt, N * 128);
-        if constexpr (D == 128)
-          wgmma::m64n128k16_rs_tb(o_acc, p_frag[kt], v_desc, true, Elem{});
-        else
-          wgmma::m64n64k16_rs_tb(o_acc, p_frag[kt], v_desc, true, Elem{});
-      }
-      wgmma::commit();
-      wgmma::wait<0>();
+      wgmma_attend_tile<Tr>(p, c, st, q_addr, k_addr, v_addr, tile_start);
     }
     cp_async_wait<0>();
     grid_launch_dependents();  // the merge kernel may be scheduled (it waits for this grid's end before reading)
 
-    // Each row's state is complete in its quad of lanes: normalize and write it, as prefill_kernel.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float l = warp_sum_quad(l_run[h]);
-      const int r = warp_row0 + lane / 4 + 8 * h;
-      if (r >= rows) continue;
-      const QueryRow q = query_row(it, row0 + r, group, kv_head);
-      float lse, f;
-      row_scale<true>(vp, q.head, m_run[h], l, kv.v_scale, it.partial_row < 0, &lse, &f);
-      store_quad_row<D>(p, it, q, qo_start, f, lse,
-                        [&](int n) { return make_float2(o_acc[4 * n + 2 * h], o_acc[4 * n + 2 * h + 1]); });
-    }
+    wgmma_store_rows<D>(p, c, st);
     __syncthreads();  // shared memory (Q, stages, bounds, page ids) is reused by the next item
+  }
+#endif
+}
+
+// The warp-specialized form: warpgroup 0 copies K/V tiles into kStages stages, each with a "full" barrier (its 128
+// threads' copies have landed: cp.async arrivals) and an "empty" one (the 256 computing threads have read it);
+// warpgroups 1 and 2 compute 64 rows each and wait only on those barriers, so one's softmax can run while the
+// other's products keep the tensor cores busy. The CTA meets at a barrier twice per item (Q and the bounds in,
+// shared memory free again after the item). Stage and phase come from a count of tiles that producer and consumers
+// keep alike across items.
+template <class Tr>
+__device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(Tr::kWarpSpecialized, "three warpgroups");
+  constexpr int D = Tr::kHeadDim, N = Tr::kTileTokens, S = Tr::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int s_bounds[2][Tr::kWarps];
+  __shared__ int32_t s_pages[S * N];
+  __shared__ alignas(8) uint64_t full[S], empty[S];
+  uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
+  uint8_t* sQ = smem;
+  uint8_t* sK = sQ + Tr::kQBytes;
+  uint8_t* sV = sK + S * Tr::kStageBytes;
+
+  const PlanView& plan = *p.plan;
+  const KVParams& kv = p.kv;
+  const VariantParams& vp = p.variant;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+  const bool producer = wg == 0;
+  const int cwg = wg - 1;  // a computing warpgroup's index
+  const int kv_head = blockIdx.y;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int row0 = blockIdx.z * Tr::kRows;
+  const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
+  const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
+  const int num_items = plan.num_items;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) mbar::init(&full[s], 128), mbar::init(&empty[s], 2 * 128);
+  }
+  __syncthreads();
+  uint32_t count = 0;  // tiles through the stages so far: stage count % S, phase (count / S) & 1
+
+  // The item's shared part: Q copied by the 256 computing threads, then a barrier (id 2) after which every thread reads the
+  // computing warps' KV bounds; the CTA's KV range and this warpgroup's. After the register hand-over producer and
+  // consumers run separate code (registers are allocated per code path), so each side has its own item loop and
+  // the CTA meets at named barriers of all 384 threads (2: Q and bounds in; 3: the item done).
+  struct Item {
+    WorkItem it;
+    int b, rows, qo_start, qo_len, kv_len;
+  };
+  auto begin_item = [&](int index, Item& m) {
+    m.it = plan.items[num_items - 1 - index];
+    m.b = m.it.request;
+    const int rows_total = (m.it.qo_end - m.it.qo_begin) * group;
+    if (row0 >= rows_total) return false;
+    m.rows = min(Tr::kRows, rows_total - row0);
+    m.qo_start = plan.qo_indptr[m.b];
+    m.qo_len = plan.qo_indptr[m.b + 1] - m.qo_start;
+    m.kv_len = plan.kv_len[m.b];
+    if (!producer) {  // the computing threads copy Q (the producer's registers are few)
+      load_query_rows<D, Tr::kRows, 256, true, 128>(p, m.it, m.qo_start, row0, m.rows, group, kv_head,
+                                                    reinterpret_cast<uint16_t*>(sQ));
+      cp_async_commit();
+    }
+    return true;
+  };
+  auto kv_ranges = [&](const WorkItem& it, int& range_lo, int& range_hi, int& g_lo, int& g_hi) {
+    cp_async_wait<0>();
+    wgmma::fence_operands();  // Q, visible to the tensor cores
+    mbar::named_sync(2, Tr::kThreads);
+    range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
+#pragma unroll
+    for (int w = 4; w < Tr::kWarps; ++w) {
+      if (s_bounds[0][w] >= s_bounds[1][w]) continue;
+      range_lo = min(range_lo, s_bounds[0][w]), range_hi = max(range_hi, s_bounds[1][w]);
+      if (w / 4 == wg) g_lo = min(g_lo, s_bounds[0][w]), g_hi = max(g_hi, s_bounds[1][w]);
+    }
+    return range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
+  };
+
+  if (producer) {
+    mbar::shrink_registers<Tr::kProducerRegs>();
+    for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
+      Item m;
+      if (!begin_item(index, m)) continue;
+      int range_lo, range_hi, g_lo, g_hi;
+      const int num_tiles = kv_ranges(m.it, range_lo, range_hi, g_lo, g_hi);
+      // A tile's page ids into a shared slot, a producer-only barrier (id 1), then its copies into the stage.
+      KVTileLoader<D, N, 128, S, 2, true> loader(kv, m.b, kv_head, range_lo, range_hi, s_pages);
+#pragma unroll 1
+      for (int t = 0; t < num_tiles; ++t, ++count) {
+        const int s = count % S;
+        loader.fetch_pages(t);
+        if (count >= S) mbar::wait(&empty[s], ((count / S) & 1) ^ 1);  // the consumers read this stage's last tile
+        mbar::named_sync(1, 128);
+        loader.load_serial(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes);
+        mbar::arrive_on_copies(&full[s]);
+      }
+      mbar::named_sync(3, Tr::kThreads);  // shared memory (Q, stages, bounds, page ids) is reused by the next item
+    }
+  } else {
+    mbar::grow_registers<Tr::kConsumerRegs>();
+    const int warp_row0 = 16 * (warp - 4);  // warpgroup cwg's rows are 64 cwg .. 64 cwg + 63
+    const uint32_t q_addr = smem_address(sQ) + 64 * cwg * 128;  // this warpgroup's 64 rows of each Q panel
+    for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
+      Item m;
+      if (!begin_item(index, m)) continue;
+      const WorkItem& it = m.it;
+      int w_lo = it.kv_end, w_hi = it.kv_begin, w_max_lo = it.kv_begin, w_min_hi = it.kv_end;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp_row0 + lane / 4 + 8 * h;
+        int lo, hi;
+        row_kv_range(vp, it, r, m.rows, row0 + r, group, m.qo_len, m.kv_len, &lo, &hi);
+        if (r < m.rows) w_max_lo = max(w_max_lo, lo), w_min_hi = min(w_min_hi, hi);
+        if (lo < hi) w_lo = min(w_lo, lo), w_hi = max(w_hi, hi);
+      }
+      warp_kv_bounds(w_lo, w_hi, w_max_lo, w_min_hi);
+      if (lane == 0) s_bounds[0][warp] = w_lo, s_bounds[1][warp] = w_hi;
+      int range_lo, range_hi, g_lo, g_hi;
+      const int num_tiles = kv_ranges(it, range_lo, range_hi, g_lo, g_hi);
+      const WgmmaItem c{it,        m.b,  m.rows,   row0,     group,      kv_head,  m.qo_start, m.qo_len, m.kv_len,
+                        warp_row0, lane, w_max_lo, w_min_hi, scale_log2, transform};
+      WgmmaRows<D> st;
+      wgmma_reset_rows(st);
+#pragma unroll 1
+      for (int t = 0; t < num_tiles; ++t, ++count) {
+        const int s = count % S;
+        mbar::wait(&full[s], (count / S) & 1);
+        wgmma::fence_operands();  // the producer's copies, seen through the barrier, before the tensor cores read
+        const int tile_start = range_lo + t * N;
+        if (tile_start < g_hi && tile_start + N > g_lo)  // some row of this warpgroup sees the tile
+          wgmma_attend_tile<Tr>(p, c, st, q_addr, smem_address(sK + s * Tr::kStageBytes),
+                                smem_address(sV + s * Tr::kStageBytes), tile_start);
+        mbar::arrive(&empty[s]);
+      }
+      if (index + gridDim.x >= num_items) grid_launch_dependents();  // this CTA's last item
+      wgmma_store_rows<D>(p, c, st);
+      mbar::named_sync(3, Tr::kThreads);
+    }
   }
 #endif
 }
@@ -229,7 +428,10 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
 // sm_90a only (the host launches it on compute capability 9.0 alone); other targets compile an empty body.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_wgmma_kernel(const AttentionParams p) {
-  prefill_wgmma_body<Tr>(p);
+  if constexpr (Tr::kWarpSpecialized)
+    prefill_wgmma_ws_body<Tr>(p);
+  else
+    prefill_wgmma_body<Tr>(p);
 }
 
 }  // namespace attnforge::cuda
