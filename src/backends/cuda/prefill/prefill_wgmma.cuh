@@ -381,6 +381,7 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
       }
       mbar::named_sync(3, Tr::kThreads);  // shared memory (Q, stages, bounds, page ids) is reused by the next item
     }
+    grid_launch_dependents();
   } else {
     mbar::grow_registers<Tr::kConsumerRegs>();
     const int warp_row0 = 16 * (warp - 4);  // warpgroup cwg's rows are 64 cwg .. 64 cwg + 63
