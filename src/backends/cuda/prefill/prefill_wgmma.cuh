@@ -209,15 +209,9 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
   // Items in reverse plan order, as prefill_kernel: each request's heaviest causal tiles first.
   for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
     const WorkItem it = plan.items[num_items - 1 - index];
-    // item_rows (tiles.cuh) written out: through the helper this kernel's SASS differed (same length), and its
-    // H200 figures are for this code.
-    const int b = it.request;
-    const int rows_total = (it.qo_end - it.qo_begin) * group;
-    if (row0 >= rows_total) continue;
-    const int rows = min(Tr::kRows, rows_total - row0);
-    const int qo_start = plan.qo_indptr[b];
-    const int qo_len = plan.qo_indptr[b + 1] - qo_start;
-    const int kv_len = plan.kv_len[b];
+    ItemRows m;
+    if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
+    const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
 
     load_query_rows<D, Tr::kRows, Tr::kThreads, true>(p, it, qo_start, row0, rows, group, kv_head,
                                                       reinterpret_cast<uint16_t*>(sQ));
@@ -327,19 +321,12 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
   // computing warps' KV bounds; the CTA's KV range and this warpgroup's. After the register hand-over producer and
   // consumers run separate code (registers are allocated per code path), so each side has its own item loop and
   // the CTA meets at named barriers of all 384 threads (2: Q and bounds in; 3: the item done).
-  struct Item {
+  struct Item : ItemRows {
     WorkItem it;
-    int b, rows, qo_start, qo_len, kv_len;
   };
   auto begin_item = [&](int index, Item& m) {
     m.it = plan.items[num_items - 1 - index];
-    m.b = m.it.request;
-    const int rows_total = (m.it.qo_end - m.it.qo_begin) * group;
-    if (row0 >= rows_total) return false;
-    m.rows = min(Tr::kRows, rows_total - row0);
-    m.qo_start = plan.qo_indptr[m.b];
-    m.qo_len = plan.qo_indptr[m.b + 1] - m.qo_start;
-    m.kv_len = plan.kv_len[m.b];
+    if (!item_rows<Tr::kRows>(plan, m.it, group, row0, m)) return false;
     if (!producer) {  // the computing threads copy Q (the producer's registers are few)
       load_query_rows<D, Tr::kRows, 256, true, 128>(p, m.it, m.qo_start, row0, m.rows, group, kv_head,
                                                     reinterpret_cast<uint16_t*>(sQ));
