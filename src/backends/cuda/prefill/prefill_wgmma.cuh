@@ -31,10 +31,14 @@ struct PrefillWgmmaTraits {
   static constexpr int kWarpgroups = 2;  // the warpgroups that compute, 64 rows each
   static constexpr int kThreads = 128 * (kWarpgroups + (kWarpSpecialized ? 1 : 0));
   static constexpr int kWarps = kThreads / 32;
-  // Registers per thread after the producer hands its share to the consumers (setmaxnreg; 2 x 128 x 240 + 128 x 32
-  // = the SM's 65,536). ptxas sm_90a: the producer's code spills 12 bytes at 32 (none at 80); the consumers' none.
-  static constexpr int kProducerRegs = 32;
+  // Registers per thread after the producer hands its share to the consumers (setmaxnreg). The CTA keeps the
+  // registers it was launched with (ptxas: 168 a thread at 384 threads, 64,512 in all) and setmaxnreg.inc waits until
+  // the pool holds what it asks for: 128 x 24 + 2 x 128 x 240 = 64,512 exactly (32 for the producer hung the kernel
+  // on the H200: 65,536). ptxas sm_90a: 36 bytes of spill at head_dim 128 (12 with the producer at 32).
+  static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
+  static_assert(!kWarpSpecialized || 128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
+                "setmaxnreg would ask for more registers than the CTA was launched with, and wait forever");
   static constexpr int kRows = 64 * kWarpgroups;  // prefill_rows(kHeadDim): the planner's tiles fit
   static constexpr int kTileTokens = 128;         // K/V tokens per stage and softmax step: S is m64n128
   static constexpr int kStages = 2;
