@@ -301,11 +301,35 @@ struct KVTileLoader {
     #pragma unroll
     for (int k = 0; k < kLoadRows; ++k) copy_row(rb, k, t, sK, sV);
   }
-  // One row at a time: the copying warpgroup of prefill_wgmma_ws_body, which has few registers.
-  __device__ __forceinline__ void load_serial(int t, void* sK, void* sV) const {
-    const RowBases rb = row_bases();
-    #pragma unroll 1
-    for (int k = 0; k < kLoadRows; ++k) copy_row(rb, k, t, sK, sV);
+  // The copying warpgroup of prefill_wgmma_ws_body (one token a thread, few registers). fetch_offsets(t) finds the
+  // byte offsets of tile t's rows once per token (K and V: KV head, page and slot through this layout's strides)
+  // into shared slot t % kPageSlots, where load() has each of a row's chunk threads redo that arithmetic;
+  // load_offsets(t) then costs a row one 16-byte shared load, two adds and its two copies. Tokens past `last` keep
+  // the last token's offsets (a valid address) and are zero-filled. A barrier among the copying threads separates
+  // the two, as with fetch_pages.
+  __device__ __forceinline__ void fetch_offsets(int t, longlong2* offsets) const {
+    static_assert(kThreads == kTileTokens && kPageSlots > 0, "one token a thread, kPageSlots shared slots");
+    const int token = min(first + t * kTileTokens + static_cast<int>(threadIdx.x), last - 1);
+    const int64_t page = page_of(token);
+    const int64_t slot = kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
+    offsets[(t % kPageSlots) * kTileTokens + threadIdx.x] =
+        make_longlong2((kv_head * kv.k_stride_head + page * kv.k_stride_page + slot * kv.k_stride_token) * kElemBytes,
+                       (kv_head * kv.v_stride_head + page * kv.v_stride_page + slot * kv.v_stride_token) * kElemBytes);
+  }
+  __device__ __forceinline__ void load_offsets(int t, void* sK, void* sV, const longlong2* offsets) const {
+    const int chunk = threadIdx.x % kChunks;
+    const uint8_t* k = static_cast<const uint8_t*>(kv.k) + chunk * 16;
+    const uint8_t* v = static_cast<const uint8_t*>(kv.v) + chunk * 16;
+    const longlong2* tile = offsets + (t % kPageSlots) * kTileTokens;
+    const int valid_rows = last - first - t * kTileTokens;
+    #pragma unroll 4
+    for (int i = 0; i < kLoadRows; ++i) {
+      const int r = row(i);
+      const longlong2 o = tile[r];
+      const int dst = kPanels ? panel_bytes<kTileTokens>(r, chunk) : swizzle_bytes<kRowBytes>(r, chunk);
+      cp_async_16(static_cast<uint8_t*>(sK) + dst, k + o.x, r < valid_rows ? 16 : 0);
+      cp_async_16(static_cast<uint8_t*>(sV) + dst, v + o.y, r < valid_rows ? 16 : 0);
+    }
   }
 
  private:

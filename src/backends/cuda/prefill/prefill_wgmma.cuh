@@ -294,7 +294,7 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
   constexpr int D = Tr::kHeadDim, N = Tr::kTileTokens, S = Tr::kStages;
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_bounds[2][Tr::kWarps];
-  __shared__ int32_t s_pages[S * N];
+  __shared__ longlong2 s_offsets[S * N];  // the K/V byte offsets of the rows of tiles in flight (fetch_offsets)
   __shared__ alignas(8) uint64_t full[S], empty[S];
   uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
   uint8_t* sQ = smem;
@@ -359,15 +359,15 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
       if (!begin_item(index, m)) continue;
       int range_lo, range_hi, g_lo, g_hi;
       const int num_tiles = kv_ranges(m.it, range_lo, range_hi, g_lo, g_hi);
-      // A tile's page ids into a shared slot, a producer-only barrier (id 1), then its copies into the stage.
-      KVTileLoader<D, N, 128, S, 2, true> loader(kv, m.b, kv_head, range_lo, range_hi, s_pages);
+      // A tile's row offsets into a shared slot, a producer-only barrier (id 1), then its copies into the stage.
+      KVTileLoader<D, N, 128, S, 2, true> loader(kv, m.b, kv_head, range_lo, range_hi);
 #pragma unroll 1
       for (int t = 0; t < num_tiles; ++t, ++count) {
         const int s = count % S;
-        loader.fetch_pages(t);
+        loader.fetch_offsets(t, s_offsets);
         if (count >= S) mbar::wait(&empty[s], ((count / S) & 1) ^ 1);  // the consumers read this stage's last tile
         mbar::named_sync(1, 128);
-        loader.load_serial(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes);
+        loader.load_offsets(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes, s_offsets);
         mbar::arrive_on_copies(&full[s]);
       }
       mbar::named_sync(3, Tr::kThreads);  // shared memory (Q, stages, bounds, page ids) is reused by the next item
