@@ -161,16 +161,20 @@ bool prefill_wgmma_serves(int head_dim, int rows) {
 }
 
 bool prefill_wgmma_warp_specialized() {
-  static const bool on = detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1"}, "0") == "1";
+  static const bool on = detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1"}, "1") == "1";
   return on;
 }
 
 int prefill_ctas_per_sm(int head_dim, int rows) {
   // The Hopper kernel holds one CTA per SM where it serves the plan's tiles; the planner's split targets follow
   // it. (A plan with RoPE still runs prefill_kernel, two CTAs per SM, on these targets: it splits less.)
-  if (prefill_wgmma_serves(head_dim, rows))
+  if (prefill_wgmma_serves(head_dim, rows)) {
+    if (prefill_wgmma_warp_specialized())
+      return head_dim == 64 ? configure_wgmma<PrefillWgmmaTraits<64, Bf16, true>>()
+                            : configure_wgmma<PrefillWgmmaTraits<128, Bf16, true>>();
     return head_dim == 64 ? configure_wgmma<PrefillWgmmaTraits<64, Bf16>>()
                           : configure_wgmma<PrefillWgmmaTraits<128, Bf16>>();
+  }
   switch (head_dim) {  // bf16 and fp16 instantiations use the same registers and shared memory
     case 64: return configure<PrefillTraits<64, Bf16>>();
     case 128: return configure<PrefillTraits<128, Bf16>>();

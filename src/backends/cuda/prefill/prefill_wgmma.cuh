@@ -5,7 +5,8 @@
 // the online softmax runs on the accumulator registers, and O += P V takes P from registers (the accumulators of two n8
 // blocks are one k16 A fragment, as with mma.sync) and V from shared memory, transposed by the instruction. Q, K and V
 // sit in 64-element panels in the 128-byte swizzle (device/wgmma.cuh), K/V in 128-token tiles through a two-stage
-// cp.async pipeline that all 256 threads feed. Built-in options (causal, window, soft-cap, ALiBi, custom mask, sinks);
+// cp.async pipeline: fed by a third, copying warpgroup in the warp-specialized form (the default; 1.4x on the H200),
+// or by all 256 threads with a barrier per tile. Built-in options (causal, window, soft-cap, ALiBi, custom mask, sinks);
 // not RoPE, not custom variants (those keep prefill_kernel). head_dim 64 and 128, bf16 and fp16. Self-contained for
 // NVRTC.
 #pragma once
