@@ -311,7 +311,8 @@ struct KVTileLoader {
     static_assert(kThreads == kTileTokens && kPageSlots > 0, "one token a thread, kPageSlots shared slots");
     const int token = min(first + t * kTileTokens + static_cast<int>(threadIdx.x), last - 1);
     const int64_t page = page_of(token);
-    const int64_t slot = kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
+    const int64_t slot =
+        kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
     offsets[(t % kPageSlots) * kTileTokens + threadIdx.x] =
         make_longlong2((kv_head * kv.k_stride_head + page * kv.k_stride_page + slot * kv.k_stride_token) * kElemBytes,
                        (kv_head * kv.v_stride_head + page * kv.v_stride_page + slot * kv.v_stride_token) * kElemBytes);
@@ -342,8 +343,10 @@ struct KVTileLoader {
     const int chunk = threadIdx.x % kChunks;
     return {static_cast<const uint8_t*>(kv.k) + kv_head * kv.k_stride_head * kElemBytes + chunk * 16,
             static_cast<const uint8_t*>(kv.v) + kv_head * kv.v_stride_head * kElemBytes + chunk * 16,
-            static_cast<uint32_t>(kv.k_stride_page * kElemBytes), static_cast<uint32_t>(kv.k_stride_token * kElemBytes),
-            static_cast<uint32_t>(kv.v_stride_page * kElemBytes), static_cast<uint32_t>(kv.v_stride_token * kElemBytes)};
+            static_cast<uint32_t>(kv.k_stride_page * kElemBytes),
+            static_cast<uint32_t>(kv.k_stride_token * kElemBytes),
+            static_cast<uint32_t>(kv.v_stride_page * kElemBytes),
+            static_cast<uint32_t>(kv.v_stride_token * kElemBytes)};
   }
   __device__ __forceinline__ void copy_row(const RowBases& rb, int k, int t, void* sK, void* sV) const {
     const int chunk = threadIdx.x % kChunks;

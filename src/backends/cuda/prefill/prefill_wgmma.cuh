@@ -6,9 +6,9 @@
 // blocks are one k16 A fragment, as with mma.sync) and V from shared memory, transposed by the instruction. Q, K and V
 // sit in 64-element panels in the 128-byte swizzle (device/wgmma.cuh), K/V in 128-token tiles through a two-stage
 // cp.async pipeline: fed by a third, copying warpgroup in the warp-specialized form (the default; 1.4x on the H200),
-// or by all 256 threads with a barrier per tile. Built-in options (causal, window, soft-cap, ALiBi, custom mask, sinks);
-// not RoPE, not custom variants (those keep prefill_kernel). head_dim 64 and 128, bf16 and fp16. Self-contained for
-// NVRTC.
+// or by all 256 threads with a barrier per tile. Built-in options (causal, window, soft-cap, ALiBi, custom mask,
+// sinks); not RoPE, not custom variants (those keep prefill_kernel). head_dim 64 and 128, bf16 and fp16.
+// Self-contained for NVRTC.
 #pragma once
 
 #include "attnforge/kernel/params.h"
@@ -322,10 +322,10 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
   __syncthreads();
   uint32_t count = 0;  // tiles through the stages so far: stage count % S, phase (count / S) & 1
 
-  // The item's shared part: Q copied by the 256 computing threads, then a barrier (id 2) after which every thread reads the
-  // computing warps' KV bounds; the CTA's KV range and this warpgroup's. After the register hand-over producer and
-  // consumers run separate code (registers are allocated per code path), so each side has its own item loop and
-  // the CTA meets at named barriers of all 384 threads (2: Q and bounds in; 3: the item done).
+  // The item's shared part: Q copied by the 256 computing threads, then a barrier (id 2) after which every thread
+  // reads the computing warps' KV bounds: the CTA's KV range and this warpgroup's. After the register hand-over
+  // producer and consumers run separate code (registers are allocated per code path), so each side has its own item
+  // loop and the CTA meets at named barriers of all 384 threads (2: Q and bounds in; 3: the item done).
   struct Item : ItemRows {
     WorkItem it;
   };
