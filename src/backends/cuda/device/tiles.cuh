@@ -278,6 +278,10 @@ struct KVTileLoader {
     const int index = page_pow2 ? token >> page_shift : token / kv.page_size;
     return kv.format == KVFormat::kRagged ? static_cast<int32_t>(page_list + token) : kv.page_ids[page_list + index];
   }
+  // The token's slot in its page (ragged: 0, page_of gives its packed row).
+  __device__ __forceinline__ int32_t slot_of(int token) const {
+    return kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
+  }
 
   __device__ __forceinline__ void fetch_pages(int t) {
     if constexpr (kPageSlots > 0) {
@@ -297,9 +301,39 @@ struct KVTileLoader {
   // Shared slots (the prefill kernel) keep the 64-bit products (on the same per-tile base): there the narrow form
   // raised ptxas's spills at head_dim 128 from 36 to 60 bytes.
   __device__ __forceinline__ void load(int t, void* sK, void* sV) const {
-    const RowBases rb = row_bases();
+    const int chunk = threadIdx.x % kChunks;
+    const uint8_t* k_base = static_cast<const uint8_t*>(kv.k) + kv_head * kv.k_stride_head * kElemBytes + chunk * 16;
+    const uint8_t* v_base = static_cast<const uint8_t*>(kv.v) + kv_head * kv.v_stride_head * kElemBytes + chunk * 16;
+    const uint32_t k_page_bytes = static_cast<uint32_t>(kv.k_stride_page * kElemBytes);
+    const uint32_t k_token_bytes = static_cast<uint32_t>(kv.k_stride_token * kElemBytes);
+    const uint32_t v_page_bytes = static_cast<uint32_t>(kv.v_stride_page * kElemBytes);
+    const uint32_t v_token_bytes = static_cast<uint32_t>(kv.v_stride_token * kElemBytes);
     #pragma unroll
-    for (int k = 0; k < kLoadRows; ++k) copy_row(rb, k, t, sK, sV);
+    for (int k = 0; k < kLoadRows; ++k) {
+      const int r = row(k);
+      const int token = first + t * kTileTokens + r;
+      const bool valid = token < last;
+      const int32_t slot = slot_of(token);
+      const uint8_t* ksrc = static_cast<const uint8_t*>(kv.k);  // an invalid row copies nothing from a valid address
+      const uint8_t* vsrc = static_cast<const uint8_t*>(kv.v);
+      if (valid) {
+        const int32_t page = kPageSlots > 0 ? slots[(t % kPageSlots) * kTileTokens + r] : pages[k];
+        if constexpr (kPageSlots == 0) {
+          const uint32_t page_u = static_cast<uint32_t>(page), slot_u = static_cast<uint32_t>(slot);  // both >= 0
+          ksrc = k_base +
+                 (static_cast<uint64_t>(page_u) * k_page_bytes + static_cast<uint64_t>(slot_u) * k_token_bytes);
+          vsrc = v_base +
+                 (static_cast<uint64_t>(page_u) * v_page_bytes + static_cast<uint64_t>(slot_u) * v_token_bytes);
+        } else {
+          const int64_t page64 = page, slot64 = slot;
+          ksrc = k_base + (page64 * kv.k_stride_page + slot64 * kv.k_stride_token) * kElemBytes;
+          vsrc = v_base + (page64 * kv.v_stride_page + slot64 * kv.v_stride_token) * kElemBytes;
+        }
+      }
+      const int dst = kPanels ? panel_bytes<kTileTokens>(r, chunk) : swizzle_bytes<kRowBytes>(r, chunk);
+      cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, valid ? 16 : 0);
+      cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc, valid ? 16 : 0);
+    }
   }
   // The copying warpgroup of prefill_wgmma_ws_body (one token a thread, few registers). fetch_offsets(t) finds the
   // byte offsets of tile t's rows once per token (K and V: KV head, page and slot through this layout's strides)
@@ -310,9 +344,7 @@ struct KVTileLoader {
   __device__ __forceinline__ void fetch_offsets(int t, longlong2* offsets) const {
     static_assert(kThreads == kTileTokens && kPageSlots > 0, "one token a thread, kPageSlots shared slots");
     const int token = min(first + t * kTileTokens + static_cast<int>(threadIdx.x), last - 1);
-    const int64_t page = page_of(token);
-    const int64_t slot =
-        kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
+    const int64_t page = page_of(token), slot = slot_of(token);
     offsets[(t % kPageSlots) * kTileTokens + threadIdx.x] =
         make_longlong2((kv_head * kv.k_stride_head + page * kv.k_stride_page + slot * kv.k_stride_token) * kElemBytes,
                        (kv_head * kv.v_stride_head + page * kv.v_stride_page + slot * kv.v_stride_token) * kElemBytes);
@@ -331,49 +363,6 @@ struct KVTileLoader {
       cp_async_16(static_cast<uint8_t*>(sK) + dst, k + o.x, r < valid_rows ? 16 : 0);
       cp_async_16(static_cast<uint8_t*>(sV) + dst, v + o.y, r < valid_rows ? 16 : 0);
     }
-  }
-
- private:
-  struct RowBases {
-    const uint8_t* k_base;
-    const uint8_t* v_base;
-    uint32_t k_page_bytes, k_token_bytes, v_page_bytes, v_token_bytes;
-  };
-  __device__ __forceinline__ RowBases row_bases() const {
-    const int chunk = threadIdx.x % kChunks;
-    return {static_cast<const uint8_t*>(kv.k) + kv_head * kv.k_stride_head * kElemBytes + chunk * 16,
-            static_cast<const uint8_t*>(kv.v) + kv_head * kv.v_stride_head * kElemBytes + chunk * 16,
-            static_cast<uint32_t>(kv.k_stride_page * kElemBytes),
-            static_cast<uint32_t>(kv.k_stride_token * kElemBytes),
-            static_cast<uint32_t>(kv.v_stride_page * kElemBytes),
-            static_cast<uint32_t>(kv.v_stride_token * kElemBytes)};
-  }
-  __device__ __forceinline__ void copy_row(const RowBases& rb, int k, int t, void* sK, void* sV) const {
-    const int chunk = threadIdx.x % kChunks;
-    const int r = row(k);
-    const int token = first + t * kTileTokens + r;
-    const bool valid = token < last;
-    const int32_t slot =
-        kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
-    const uint8_t* ksrc = static_cast<const uint8_t*>(kv.k);  // an invalid row copies nothing from a valid address
-    const uint8_t* vsrc = static_cast<const uint8_t*>(kv.v);
-    if (valid) {
-      const int32_t page = kPageSlots > 0 ? slots[(t % kPageSlots) * kTileTokens + r] : pages[k];
-      if constexpr (kPageSlots == 0) {
-        const uint32_t page_u = static_cast<uint32_t>(page), slot_u = static_cast<uint32_t>(slot);  // both >= 0
-        ksrc = rb.k_base +
-               (static_cast<uint64_t>(page_u) * rb.k_page_bytes + static_cast<uint64_t>(slot_u) * rb.k_token_bytes);
-        vsrc = rb.v_base +
-               (static_cast<uint64_t>(page_u) * rb.v_page_bytes + static_cast<uint64_t>(slot_u) * rb.v_token_bytes);
-      } else {
-        const int64_t page64 = page, slot64 = slot;
-        ksrc = rb.k_base + (page64 * kv.k_stride_page + slot64 * kv.k_stride_token) * kElemBytes;
-        vsrc = rb.v_base + (page64 * kv.v_stride_page + slot64 * kv.v_stride_token) * kElemBytes;
-      }
-    }
-    const int dst = kPanels ? panel_bytes<kTileTokens>(r, chunk) : swizzle_bytes<kRowBytes>(r, chunk);
-    cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, valid ? 16 : 0);
-    cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc, valid ? 16 : 0);
   }
 };
 

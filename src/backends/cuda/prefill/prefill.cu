@@ -90,6 +90,13 @@ int configure_wgmma() {
   return configured.get([] { return configure_kernel(prefill_wgmma_kernel<Tr>, Tr::kThreads, Tr::kSmemBytes); });
 }
 
+// The CTAs one SM holds of the form that runs (prefill_wgmma_warp_specialized); bf16 and fp16 alike.
+template <int D>
+int configure_wgmma_form() {
+  return prefill_wgmma_warp_specialized() ? configure_wgmma<PrefillWgmmaTraits<D, Bf16, true>>()
+                                          : configure_wgmma<PrefillWgmmaTraits<D, Bf16, false>>();
+}
+
 template <int D, typename Elem, bool kWarpSpecialized>
 void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t stream) {
   using Tr = PrefillWgmmaTraits<D, Elem, kWarpSpecialized>;
@@ -168,13 +175,8 @@ bool prefill_wgmma_warp_specialized() {
 int prefill_ctas_per_sm(int head_dim, int rows) {
   // The Hopper kernel holds one CTA per SM where it serves the plan's tiles; the planner's split targets follow
   // it. (A plan with RoPE still runs prefill_kernel, two CTAs per SM, on these targets: it splits less.)
-  if (prefill_wgmma_serves(head_dim, rows)) {
-    if (prefill_wgmma_warp_specialized())
-      return head_dim == 64 ? configure_wgmma<PrefillWgmmaTraits<64, Bf16, true>>()
-                            : configure_wgmma<PrefillWgmmaTraits<128, Bf16, true>>();
-    return head_dim == 64 ? configure_wgmma<PrefillWgmmaTraits<64, Bf16>>()
-                          : configure_wgmma<PrefillWgmmaTraits<128, Bf16>>();
-  }
+  if (prefill_wgmma_serves(head_dim, rows))
+    return head_dim == 64 ? configure_wgmma_form<64>() : configure_wgmma_form<128>();
   switch (head_dim) {  // bf16 and fp16 instantiations use the same registers and shared memory
     case 64: return configure<PrefillTraits<64, Bf16>>();
     case 128: return configure<PrefillTraits<128, Bf16>>();

@@ -186,6 +186,41 @@ __device__ __forceinline__ void wgmma_store_rows(const AttentionParams& p, const
   }
 }
 
+// This thread's rows (warp_row0 + lane / 4 + 8 h): the warp's union of their KV ranges, which lane 0 publishes in
+// s_bounds[.][warp], and their intersection over the item's rows (w_max_lo, w_min_hi: the plain-tile test).
+template <int kWarps>
+__device__ __forceinline__ void wgmma_warp_bounds(const VariantParams& vp, const WorkItem& it, const ItemRows& m,
+                                                  int row0, int group, int warp_row0, int lane, int warp,
+                                                  int (*s_bounds)[kWarps], int& w_max_lo, int& w_min_hi) {
+  int w_lo = it.kv_end, w_hi = it.kv_begin;
+  w_max_lo = it.kv_begin, w_min_hi = it.kv_end;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = warp_row0 + lane / 4 + 8 * h;
+    int lo, hi;
+    row_kv_range(vp, it, r, m.rows, row0 + r, group, m.qo_len, m.kv_len, &lo, &hi);
+    if (r < m.rows) w_max_lo = max(w_max_lo, lo), w_min_hi = min(w_min_hi, hi);
+    if (lo < hi) w_lo = min(w_lo, lo), w_hi = max(w_hi, hi);
+  }
+  warp_kv_bounds(w_lo, w_hi, w_max_lo, w_min_hi);
+  if (lane == 0) s_bounds[0][warp] = w_lo, s_bounds[1][warp] = w_hi;
+}
+
+// Once every computing warp (kFirstWarp .. kWarps - 1) has published its bounds: the CTA's KV range, warpgroup
+// wg's (a wgmma is issued by all four warps or none), and the number of N-token tiles that cover the CTA's.
+template <int kFirstWarp, int kWarps, int N>
+__device__ __forceinline__ int wgmma_cta_tiles(const int (*s_bounds)[kWarps], const WorkItem& it, int wg,
+                                               int& range_lo, int& range_hi, int& g_lo, int& g_hi) {
+  range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
+#pragma unroll
+  for (int w = kFirstWarp; w < kWarps; ++w) {
+    if (s_bounds[0][w] >= s_bounds[1][w]) continue;
+    range_lo = min(range_lo, s_bounds[0][w]), range_hi = max(range_hi, s_bounds[1][w]);
+    if (w / 4 == wg) g_lo = min(g_lo, s_bounds[0][w]), g_hi = max(g_hi, s_bounds[1][w]);
+  }
+  return range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
+}
+
 template <class Tr>
 __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -220,28 +255,11 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
 
     load_query_rows<D, Tr::kRows, Tr::kThreads, true>(p, it, qo_start, row0, rows, group, kv_head,
                                                       reinterpret_cast<uint16_t*>(sQ));
-    // This thread's rows (warp_row0 + lane / 4 + 8 h); the warp's union and intersection of their KV ranges, then
-    // the warpgroup's union (a wgmma is issued by all four warps or none) and the CTA's.
-    int w_lo = it.kv_end, w_hi = it.kv_begin, w_max_lo = it.kv_begin, w_min_hi = it.kv_end;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = warp_row0 + lane / 4 + 8 * h;
-      int lo, hi;
-      row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &lo, &hi);
-      if (r < rows) w_max_lo = max(w_max_lo, lo), w_min_hi = min(w_min_hi, hi);
-      if (lo < hi) w_lo = min(w_lo, lo), w_hi = max(w_hi, hi);
-    }
-    warp_kv_bounds(w_lo, w_hi, w_max_lo, w_min_hi);
-    if (lane == 0) s_bounds[0][warp] = w_lo, s_bounds[1][warp] = w_hi;
+    int w_max_lo, w_min_hi;
+    wgmma_warp_bounds<Tr::kWarps>(vp, it, m, row0, group, warp_row0, lane, warp, s_bounds, w_max_lo, w_min_hi);
     __syncthreads();
-    int range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
-#pragma unroll
-    for (int w = 0; w < Tr::kWarps; ++w) {
-      if (s_bounds[0][w] >= s_bounds[1][w]) continue;
-      range_lo = min(range_lo, s_bounds[0][w]), range_hi = max(range_hi, s_bounds[1][w]);
-      if (w / 4 == wg) g_lo = min(g_lo, s_bounds[0][w]), g_hi = max(g_hi, s_bounds[1][w]);
-    }
-    const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
+    int range_lo, range_hi, g_lo, g_hi;
+    const int num_tiles = wgmma_cta_tiles<0, Tr::kWarps, N>(s_bounds, it, wg, range_lo, range_hi, g_lo, g_hi);
 
     KVTileLoader<D, N, Tr::kThreads, Tr::kStages, 2, true> loader(kv, b, kv_head, range_lo, range_hi, s_pages);
     if (num_tiles > 0) loader.fetch_pages(0);
@@ -343,14 +361,7 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
     cp_async_wait<0>();
     wgmma::fence_operands();  // Q, visible to the tensor cores
     mbar::named_sync(2, Tr::kThreads);
-    range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
-#pragma unroll
-    for (int w = 4; w < Tr::kWarps; ++w) {
-      if (s_bounds[0][w] >= s_bounds[1][w]) continue;
-      range_lo = min(range_lo, s_bounds[0][w]), range_hi = max(range_hi, s_bounds[1][w]);
-      if (w / 4 == wg) g_lo = min(g_lo, s_bounds[0][w]), g_hi = max(g_hi, s_bounds[1][w]);
-    }
-    return range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
+    return wgmma_cta_tiles<4, Tr::kWarps, N>(s_bounds, it, wg, range_lo, range_hi, g_lo, g_hi);
   };
 
   if (producer) {
@@ -382,17 +393,8 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
       Item m;
       if (!begin_item(index, m)) continue;
       const WorkItem& it = m.it;
-      int w_lo = it.kv_end, w_hi = it.kv_begin, w_max_lo = it.kv_begin, w_min_hi = it.kv_end;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = warp_row0 + lane / 4 + 8 * h;
-        int lo, hi;
-        row_kv_range(vp, it, r, m.rows, row0 + r, group, m.qo_len, m.kv_len, &lo, &hi);
-        if (r < m.rows) w_max_lo = max(w_max_lo, lo), w_min_hi = min(w_min_hi, hi);
-        if (lo < hi) w_lo = min(w_lo, lo), w_hi = max(w_hi, hi);
-      }
-      warp_kv_bounds(w_lo, w_hi, w_max_lo, w_min_hi);
-      if (lane == 0) s_bounds[0][warp] = w_lo, s_bounds[1][warp] = w_hi;
+      int w_max_lo, w_min_hi;
+      wgmma_warp_bounds<Tr::kWarps>(vp, it, m, row0, group, warp_row0, lane, warp, s_bounds, w_max_lo, w_min_hi);
       int range_lo, range_hi, g_lo, g_hi;
       const int num_tiles = kv_ranges(it, range_lo, range_hi, g_lo, g_hi);
       const WgmmaItem c{it,        m.b,  m.rows,   row0,     group,      kv_head,  m.qo_start, m.qo_len, m.kv_len,
