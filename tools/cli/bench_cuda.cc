@@ -604,11 +604,12 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
   const std::string dev = fmt::format("{} {}", to_string(device.device), device.name);
   // Which kernel ran the prefill cases (backends/cuda/prefill/prefill.h), so a record says what it measured.
   const char* wgmma_mode[] = {"auto", "0", "1"};
+  const char* wgmma_form[] = {" (barrier form)", " (warp-specialized)", " (warp-specialized, pipelined over items)"};
   const std::string prefill_kernels = fmt::format(
       "ATTNFORGE_PREFILL_WGMMA={}: {}", wgmma_mode[static_cast<int>(cuda::prefill_wgmma())],
       cuda::prefill_wgmma_serves(128, 128)
           ? fmt::format("Hopper wgmma kernel{} for 128-row tiles of head_dim 128{} without RoPE, portable otherwise",
-                        cuda::prefill_wgmma_warp_specialized() ? " (warp-specialized)" : "",
+                        wgmma_form[cuda::prefill_wgmma_form()],
                         cuda::prefill_wgmma_serves(64, 128) ? " and 64" : "")
           : std::string("portable mma.sync kernel"));
   fmt::print("attnforge bench, suite {}-gpu: {}\n", options.suite, build_info());

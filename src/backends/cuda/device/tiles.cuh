@@ -127,8 +127,9 @@ __device__ __forceinline__ bool item_rows(const PlanView& plan, const WorkItem& 
 
 // Copies kRows packed query rows starting at row0 into swizzled shared memory with cp.async (zeros past `rows`):
 // swizzle<D> rows, or wgmma panels (panel_bytes) with kPanels. The caller commits the group. Threads kFirstThread
-// .. kFirstThread + kThreads - 1 copy.
-template <int D, int kRows, int kThreads, bool kPanels = false, int kFirstThread = 0>
+// .. kFirstThread + kThreads - 1 copy. Panels hold kPanelRows rows (sQ may point at a later row that is a multiple
+// of 8: the pipelined Hopper kernel's warpgroups copy their own halves).
+template <int D, int kRows, int kThreads, bool kPanels = false, int kFirstThread = 0, int kPanelRows = kRows>
 __device__ __forceinline__ void load_query_rows(const AttentionParams& p, const WorkItem& it, int qo_start, int row0,
                                                 int rows, int group, int kv_head, uint16_t* sQ) {
   constexpr int kChunks = D / 8;
@@ -137,7 +138,7 @@ __device__ __forceinline__ void load_query_rows(const AttentionParams& p, const 
     const QueryRow q = query_row(it, row0 + min(r, rows - 1), group, kv_head);
     const uint16_t* src =
         static_cast<const uint16_t*>(p.q) + (qo_start + q.tok) * p.q_stride_token + q.head * p.q_stride_head + c * 8;
-    uint16_t* dst = kPanels ? sQ + panel_bytes<kRows>(r, c) / 2 : sQ + swizzle<D>(r, c);
+    uint16_t* dst = kPanels ? sQ + panel_bytes<kPanelRows>(r, c) / 2 : sQ + swizzle<D>(r, c);
     cp_async_16(dst, src, r < rows ? 16 : 0);
   }
 }

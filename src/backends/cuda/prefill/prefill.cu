@@ -90,16 +90,18 @@ int configure_wgmma() {
   return configured.get([] { return configure_kernel(prefill_wgmma_kernel<Tr>, Tr::kThreads, Tr::kSmemBytes); });
 }
 
-// The CTAs one SM holds of the form that runs (prefill_wgmma_warp_specialized); bf16 and fp16 alike.
 template <int D>
-int configure_wgmma_form() {
-  return prefill_wgmma_warp_specialized() ? configure_wgmma<PrefillWgmmaTraits<D, Bf16, true>>()
-                                          : configure_wgmma<PrefillWgmmaTraits<D, Bf16, false>>();
+int configure_wgmma_form(WgmmaForm form) {
+  switch (form) {
+    case WgmmaForm::kBarrier: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kBarrier>>();
+    case WgmmaForm::kWarpSpecialized: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kWarpSpecialized>>();
+    default: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kPipelined>>();
+  }
 }
 
-template <int D, typename Elem, bool kWarpSpecialized>
+template <int D, typename Elem, WgmmaForm kForm>
 void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t stream) {
-  using Tr = PrefillWgmmaTraits<D, Elem, kWarpSpecialized>;
+  using Tr = PrefillWgmmaTraits<D, Elem, kForm>;
   configure_wgmma<Tr>();
   dims.block = dim3(Tr::kThreads);
   dims.smem_bytes = Tr::kSmemBytes;
@@ -109,8 +111,11 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
 
 template <int D, typename Elem>
 void launch_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
-  prefill_wgmma_warp_specialized() ? launch_wgmma_form<D, Elem, true>(p, dims, stream)
-                                   : launch_wgmma_form<D, Elem, false>(p, dims, stream);
+  switch (static_cast<WgmmaForm>(prefill_wgmma_form())) {
+    case WgmmaForm::kBarrier: return launch_wgmma_form<D, Elem, WgmmaForm::kBarrier>(p, dims, stream);
+    case WgmmaForm::kWarpSpecialized: return launch_wgmma_form<D, Elem, WgmmaForm::kWarpSpecialized>(p, dims, stream);
+    default: return launch_wgmma_form<D, Elem, WgmmaForm::kPipelined>(p, dims, stream);
+  }
 }
 
 // Launches the Hopper kernel when it is requested and serves the plan; false otherwise.
@@ -167,16 +172,18 @@ bool prefill_wgmma_serves(int head_dim, int rows) {
   return compute_capability() == 90;  // sm_90a code runs on 9.0 only
 }
 
-bool prefill_wgmma_warp_specialized() {
-  static const bool on = detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1"}, "1") == "1";
-  return on;
+int prefill_wgmma_form() {
+  static const int form = std::stoi(detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1", "2"}, "1"));
+  return form;
 }
 
 int prefill_ctas_per_sm(int head_dim, int rows) {
   // The Hopper kernel holds one CTA per SM where it serves the plan's tiles; the planner's split targets follow
   // it. (A plan with RoPE still runs prefill_kernel, two CTAs per SM, on these targets: it splits less.)
-  if (prefill_wgmma_serves(head_dim, rows))
-    return head_dim == 64 ? configure_wgmma_form<64>() : configure_wgmma_form<128>();
+  if (prefill_wgmma_serves(head_dim, rows)) {
+    const auto form = static_cast<WgmmaForm>(prefill_wgmma_form());
+    return head_dim == 64 ? configure_wgmma_form<64>(form) : configure_wgmma_form<128>(form);
+  }
   switch (head_dim) {  // bf16 and fp16 instantiations use the same registers and shared memory
     case 64: return configure<PrefillTraits<64, Bf16>>();
     case 128: return configure<PrefillTraits<128, Bf16>>();

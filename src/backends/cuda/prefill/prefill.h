@@ -28,10 +28,11 @@ void set_prefill_wgmma(PrefillWgmma mode);  // overrides the environment (tests,
 PrefillWgmma prefill_wgmma();
 // Whether plans of this head dim and CTA rows run on the Hopper kernel on the current device (RoPE, dtypes aside).
 bool prefill_wgmma_serves(int head_dim, int rows);
-// Whether the Hopper kernel runs in its warp-specialized form (a copying warpgroup and two computing ones,
-// PrefillWgmmaTraits::kWarpSpecialized): ATTNFORGE_PREFILL_WGMMA_WS, "1" (the default; 1.4x the other form on the
-// H200's head_dim 128 cases at 22f6d17) or "0" (all 256 threads copy and meet at a barrier per tile). Read once.
-bool prefill_wgmma_warp_specialized();
+// The Hopper kernel's form (prefill_wgmma.cuh: WgmmaForm), ATTNFORGE_PREFILL_WGMMA_WS: "1" (the default,
+// kWarpSpecialized: a copying warpgroup and two computing ones; 1.4x the barrier form on the H200's head_dim 128
+// cases at 22f6d17), "0" (kBarrier: all 256 threads copy and meet at a barrier per tile) or "2" (kPipelined: the
+// copier runs into the next item while the computing warpgroups finish the last; not yet measured). Read once.
+int prefill_wgmma_form();
 
 // The nvcc-compiled kernels (the default tile configuration): CTAs per SM of the kernel plans of `rows` CTA rows
 // (prefill_cta_rows) run on.

@@ -21,14 +21,21 @@
 
 namespace attnforge::cuda {
 
-// kWarpSpecialized: a third warpgroup copies the K/V tiles into the stages (prefill_wgmma_ws_body) and the two
-// that compute never meet at a CTA barrier inside an item; otherwise all 256 threads copy every tile and meet at
-// a barrier per tile (prefill_wgmma_body).
-template <int kHeadDim_, typename Elem_, bool kWarpSpecialized_ = false>
+// The kernel's forms (prefill.h: prefill_wgmma_form):
+//   kBarrier: all 256 threads copy every K/V tile and meet at a barrier per tile (prefill_wgmma_body);
+//   kWarpSpecialized: a third warpgroup copies the tiles into the stages and the two that compute never meet at a
+//     CTA barrier inside an item; the CTA meets twice per item (prefill_wgmma_ws_body);
+//   kPipelined: as kWarpSpecialized, but the CTA never meets after its start: each side finds the item's KV range
+//     itself, so the copier runs into the next item's tiles while the computing warpgroups finish the last, and
+//     each computing warpgroup loads its own half of Q (prefill_wgmma_pipelined_body).
+enum class WgmmaForm { kBarrier = 0, kWarpSpecialized = 1, kPipelined = 2 };
+
+template <int kHeadDim_, typename Elem_, WgmmaForm kForm_ = WgmmaForm::kBarrier>
 struct PrefillWgmmaTraits {
   using Elem = Elem_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr bool kWarpSpecialized = kWarpSpecialized_;
+  static constexpr WgmmaForm kForm = kForm_;
+  static constexpr bool kWarpSpecialized = kForm != WgmmaForm::kBarrier;
   static constexpr int kWarpgroups = 2;  // the warpgroups that compute, 64 rows each
   static constexpr int kThreads = 128 * (kWarpgroups + (kWarpSpecialized ? 1 : 0));
   static constexpr int kWarps = kThreads / 32;
@@ -420,10 +427,157 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
 #endif
 }
 
+// The pipelined form: as prefill_wgmma_ws_body, without the two CTA barriers per item. The copying warpgroup finds
+// the item's KV range from its 128 rows (one a thread) and goes on to the next item's tiles as soon as stages free
+// up; each computing warpgroup finds the same range (its rows and the other warpgroup's, two each a thread), its
+// own rows' range and masks, and copies its own 64 rows of Q, meeting only its own 128 threads (named barriers 4
+// and 5). Shared bounds are double-buffered by item parity, which the barrier of the next item protects.
+template <class Tr>
+__device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionParams& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(Tr::kForm == WgmmaForm::kPipelined, "three warpgroups");
+  constexpr int D = Tr::kHeadDim, N = Tr::kTileTokens, S = Tr::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int2 s_range[2][4];          // copier: its warps' KV range, by item parity
+  __shared__ int4 s_wg_bounds[2][2][4];   // computing warpgroup, parity, warp: own rows' [lo, hi), all rows' [lo, hi)
+  __shared__ longlong2 s_offsets[S * N];  // the K/V byte offsets of the rows of tiles in flight (fetch_offsets)
+  __shared__ alignas(8) uint64_t full[S], empty[S];
+  uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
+  uint8_t* sQ = smem;
+  uint8_t* sK = sQ + Tr::kQBytes;
+  uint8_t* sV = sK + S * Tr::kStageBytes;
+
+  const PlanView& plan = *p.plan;
+  const KVParams& kv = p.kv;
+  const VariantParams& vp = p.variant;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+  const int kv_head = blockIdx.y;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const int row0 = blockIdx.z * Tr::kRows;
+  const int num_items = plan.num_items;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) mbar::init(&full[s], 128), mbar::init(&empty[s], 2 * 128);
+  }
+  __syncthreads();  // the only CTA barrier
+  uint32_t count = 0;  // tiles through the stages so far: stage count % S, phase (count / S) & 1
+  int parity = 0;      // items begun by this side, mod 2: which bounds buffer
+
+  if (wg == 0) {
+    mbar::shrink_registers<Tr::kProducerRegs>();
+    for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
+      const WorkItem it = plan.items[num_items - 1 - index];
+      ItemRows m;
+      if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
+      int lo, hi;  // this thread's row, then the warp's union of non-empty rows
+      row_kv_range(vp, it, threadIdx.x, m.rows, row0 + threadIdx.x, group, m.qo_len, m.kv_len, &lo, &hi);
+      if (lo >= hi) lo = it.kv_end, hi = it.kv_begin;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+        hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+      }
+      if (lane == 0) s_range[parity][warp] = make_int2(lo, hi);
+      mbar::named_sync(1, 128);  // also: every copier thread is done with the last item's offset slots
+      int range_lo = it.kv_end, range_hi = it.kv_begin;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) range_lo = min(range_lo, s_range[parity][w].x), range_hi = max(range_hi, s_range[parity][w].y);
+      parity ^= 1;
+      const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
+      KVTileLoader<D, N, 128, S, 2, true> loader(kv, m.b, kv_head, range_lo, range_hi);
+#pragma unroll 1
+      for (int t = 0; t < num_tiles; ++t, ++count) {
+        const int s = count % S;
+        loader.fetch_offsets(t, s_offsets);
+        if (count >= S) mbar::wait(&empty[s], ((count / S) & 1) ^ 1);  // the consumers read this stage's last tile
+        mbar::named_sync(1, 128);
+        loader.load_offsets(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes, s_offsets);
+        mbar::arrive_on_copies(&full[s]);
+      }
+    }
+    grid_launch_dependents();
+  } else {
+    mbar::grow_registers<Tr::kConsumerRegs>();
+    const int cwg = wg - 1;                   // this computing warpgroup: packed rows 64 cwg .. 64 cwg + 63
+    const int warp_row0 = 16 * (warp - 4);    // of this warp, 16 rows
+    const uint32_t q_addr = smem_address(sQ) + 64 * cwg * 128;  // this warpgroup's 64 rows of each Q panel
+    const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
+    const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
+    for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
+      const WorkItem it = plan.items[num_items - 1 - index];
+      ItemRows m;
+      if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
+      // Q: this warpgroup's rows only (the other's half may still be read by its products of the last item).
+      const int own_rows = min(m.rows - 64 * cwg, 64);
+      uint16_t* own_q = reinterpret_cast<uint16_t*>(sQ + 64 * cwg * 128);
+      if (own_rows > 0 && cwg == 0)
+        load_query_rows<D, 64, 128, true, 128, Tr::kRows>(p, it, m.qo_start, row0, own_rows, group, kv_head, own_q);
+      else if (own_rows > 0)
+        load_query_rows<D, 64, 128, true, 256, Tr::kRows>(p, it, m.qo_start, row0 + 64, own_rows, group, kv_head,
+                                                          own_q);
+      cp_async_commit();
+      // This thread's rows r (lane / 4 + 8 h of its warp) and the other warpgroup's r ^ 64: the warp's union and
+      // intersection of its own rows, and the union of both (the CTA's range, as the copier finds it).
+      int w_lo = it.kv_end, w_hi = it.kv_begin, w_max_lo = it.kv_begin, w_min_hi = it.kv_end;
+      int a_lo = it.kv_end, a_hi = it.kv_begin;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp_row0 + lane / 4 + 8 * h;
+        int lo, hi;
+        row_kv_range(vp, it, r, m.rows, row0 + r, group, m.qo_len, m.kv_len, &lo, &hi);
+        if (r < m.rows) w_max_lo = max(w_max_lo, lo), w_min_hi = min(w_min_hi, hi);
+        if (lo < hi) w_lo = min(w_lo, lo), w_hi = max(w_hi, hi);
+        row_kv_range(vp, it, r ^ 64, m.rows, row0 + (r ^ 64), group, m.qo_len, m.kv_len, &lo, &hi);
+        if (lo < hi) a_lo = min(a_lo, lo), a_hi = max(a_hi, hi);
+      }
+      warp_kv_bounds(w_lo, w_hi, w_max_lo, w_min_hi);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        a_lo = min(a_lo, __shfl_xor_sync(0xffffffffu, a_lo, o));
+        a_hi = max(a_hi, __shfl_xor_sync(0xffffffffu, a_hi, o));
+      }
+      if (lane == 0) s_wg_bounds[cwg][parity][warp & 3] = make_int4(w_lo, w_hi, min(a_lo, w_lo), max(a_hi, w_hi));
+      cp_async_wait<0>();
+      wgmma::fence_operands();              // this warpgroup's Q, visible to the tensor cores
+      mbar::named_sync(4 + cwg, 128);       // its Q and bounds are in
+      int range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int4 b = s_wg_bounds[cwg][parity][w];
+        if (b.x < b.y) g_lo = min(g_lo, b.x), g_hi = max(g_hi, b.y);
+        range_lo = min(range_lo, b.z), range_hi = max(range_hi, b.w);
+      }
+      parity ^= 1;
+      const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
+      const WgmmaItem c{it,        m.b,  m.rows,   row0,     group,      kv_head,  m.qo_start, m.qo_len, m.kv_len,
+                        warp_row0, lane, w_max_lo, w_min_hi, scale_log2, transform};
+      WgmmaRows<D> st;
+      wgmma_reset_rows(st);
+#pragma unroll 1
+      for (int t = 0; t < num_tiles; ++t, ++count) {
+        const int s = count % S;
+        mbar::wait(&full[s], (count / S) & 1);
+        wgmma::fence_operands();  // the copier's copies, seen through the barrier, before the tensor cores read
+        const int tile_start = range_lo + t * N;
+        if (tile_start < g_hi && tile_start + N > g_lo)  // some row of this warpgroup sees the tile
+          wgmma_attend_tile<Tr>(p, c, st, q_addr, smem_address(sK + s * Tr::kStageBytes),
+                                smem_address(sV + s * Tr::kStageBytes), tile_start);
+        mbar::arrive(&empty[s]);
+      }
+      if (index + gridDim.x >= num_items) grid_launch_dependents();  // this CTA's last item
+      wgmma_store_rows<D>(p, c, st);
+    }
+  }
+#endif
+}
+
 // sm_90a only (the host launches it on compute capability 9.0 alone); other targets compile an empty body.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_wgmma_kernel(const AttentionParams p) {
-  if constexpr (Tr::kWarpSpecialized)
+  if constexpr (Tr::kForm == WgmmaForm::kPipelined)
+    prefill_wgmma_pipelined_body<Tr>(p);
+  else if constexpr (Tr::kForm == WgmmaForm::kWarpSpecialized)
     prefill_wgmma_ws_body<Tr>(p);
   else
     prefill_wgmma_body<Tr>(p);
