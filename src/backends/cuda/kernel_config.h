@@ -75,6 +75,17 @@ inline int compute_capability() {
   });
 }
 
+// The current device's SM count, asked once per device.
+inline int sm_count() {
+  static PerDevice sms;
+  return sms.get([] {
+    int device = 0, count = 0;
+    ATTNFORGE_CUDA_CHECK(cudaGetDevice(&device));
+    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    return count;
+  });
+}
+
 // Raises the kernel's dynamic shared memory limit to smem_bytes and sets its shared-memory carveout (100: prefer
 // shared memory over L1, so the CTAs the occupancy calculation counts on fit); returns the CTAs of `threads`
 // threads one SM holds. Callers keep the result in a function-local PerDevice: once per instantiation and device.

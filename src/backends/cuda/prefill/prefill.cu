@@ -94,7 +94,8 @@ template <int D>
 int configure_wgmma_form(WgmmaForm form) {
   switch (form) {
     case WgmmaForm::kBarrier: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kBarrier>>();
-    case WgmmaForm::kWarpSpecialized: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kWarpSpecialized>>();
+    case WgmmaForm::kWarpSpecialized:
+      return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kWarpSpecialized>>();
     default: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kPipelined>>();
   }
 }
@@ -103,6 +104,11 @@ template <int D, typename Elem, WgmmaForm kForm>
 void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t stream) {
   using Tr = PrefillWgmmaTraits<D, Elem, kForm>;
   configure_wgmma<Tr>();
+  // The pipelined form is persistent: one CTA per SM walks the (KV head, item) pairs (grid x times y of the
+  // others), so its copier can run ahead into the next pair. From the capacities and the SM count alone, so a
+  // captured graph survives re-plans.
+  if constexpr (kForm == WgmmaForm::kPipelined)
+    dims.grid = dim3(std::min(dims.grid.x * dims.grid.y, static_cast<unsigned>(sm_count())), 1, dims.grid.z);
   dims.block = dim3(Tr::kThreads);
   dims.smem_bytes = Tr::kSmemBytes;
   prefill_wgmma_kernel<Tr><<<dims.grid, dims.block, dims.smem_bytes, stream>>>(p);

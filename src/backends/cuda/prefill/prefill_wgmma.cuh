@@ -427,11 +427,13 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
 #endif
 }
 
-// The pipelined form: as prefill_wgmma_ws_body, without the two CTA barriers per item. The copying warpgroup finds
-// the item's KV range from its 128 rows (one a thread) and goes on to the next item's tiles as soon as stages free
-// up; each computing warpgroup finds the same range (its rows and the other warpgroup's, two each a thread), its
-// own rows' range and masks, and copies its own 64 rows of Q, meeting only its own 128 threads (named barriers 4
-// and 5). Shared bounds are double-buffered by item parity, which the barrier of the next item protects.
+// The pipelined form: as prefill_wgmma_ws_body, persistent (one CTA per SM walks the (KV head, item) pairs,
+// head-major: the order the other forms' grid runs in) and without the two CTA barriers per item. The copying
+// warpgroup finds the item's KV range from its 128 rows (one a thread) and goes on to the next item's tiles as
+// soon as stages free up; each computing warpgroup finds the same range (its rows and the other warpgroup's, two
+// each a thread), its own rows' range and masks, and copies its own 64 rows of Q, meeting only its own 128 threads
+// (named barriers 4 and 5). Shared bounds are double-buffered by item parity, which the barrier of the next item
+// protects.
 template <class Tr>
 __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionParams& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -451,10 +453,10 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   const KVParams& kv = p.kv;
   const VariantParams& vp = p.variant;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-  const int kv_head = blockIdx.y;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int row0 = blockIdx.z * Tr::kRows;
   const int num_items = plan.num_items;
+  const int num_work = num_items * p.num_kv_heads;  // (KV head, item) pairs, head-major as the other forms' grid
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -466,8 +468,9 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
 
   if (wg == 0) {
     mbar::shrink_registers<Tr::kProducerRegs>();
-    for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
-      const WorkItem it = plan.items[num_items - 1 - index];
+    for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+      const int kv_head = w / num_items;
+      const WorkItem it = plan.items[num_items - 1 - (w - kv_head * num_items)];
       ItemRows m;
       if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
       int lo, hi;  // this thread's row, then the warp's union of non-empty rows
@@ -482,7 +485,10 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       mbar::named_sync(1, 128);  // also: every copier thread is done with the last item's offset slots
       int range_lo = it.kv_end, range_hi = it.kv_begin;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) range_lo = min(range_lo, s_range[parity][w].x), range_hi = max(range_hi, s_range[parity][w].y);
+      for (int i = 0; i < 4; ++i) {
+        range_lo = min(range_lo, s_range[parity][i].x);
+        range_hi = max(range_hi, s_range[parity][i].y);
+      }
       parity ^= 1;
       const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
       KVTileLoader<D, N, 128, S, 2, true> loader(kv, m.b, kv_head, range_lo, range_hi);
@@ -504,8 +510,9 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
     const uint32_t q_addr = smem_address(sQ) + 64 * cwg * 128;  // this warpgroup's 64 rows of each Q panel
     const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
     const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
-    for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
-      const WorkItem it = plan.items[num_items - 1 - index];
+    for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+      const int kv_head = w / num_items;
+      const WorkItem it = plan.items[num_items - 1 - (w - kv_head * num_items)];
       ItemRows m;
       if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
       // Q: this warpgroup's rows only (the other's half may still be read by its products of the last item).
@@ -543,8 +550,8 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       mbar::named_sync(4 + cwg, 128);       // its Q and bounds are in
       int range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const int4 b = s_wg_bounds[cwg][parity][w];
+      for (int i = 0; i < 4; ++i) {
+        const int4 b = s_wg_bounds[cwg][parity][i];
         if (b.x < b.y) g_lo = min(g_lo, b.x), g_hi = max(g_hi, b.y);
         range_lo = min(range_lo, b.z), range_hi = max(range_hi, b.w);
       }
@@ -565,7 +572,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
                                 smem_address(sV + s * Tr::kStageBytes), tile_start);
         mbar::arrive(&empty[s]);
       }
-      if (index + gridDim.x >= num_items) grid_launch_dependents();  // this CTA's last item
+      if (w + gridDim.x >= num_work) grid_launch_dependents();  // this CTA's last item
       wgmma_store_rows<D>(p, c, st);
     }
   }
