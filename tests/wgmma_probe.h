@@ -3,7 +3,8 @@
 // against a float64 product. One warpgroup, one product each (kWgmmaProbes):
 //   wgmma_probe_ss*: c[m][n] = sum_k a[m][k] b[n][k]   (A and B from shared memory, both K-major: S = Q K^T)
 //   wgmma_probe_rs*: c[m][n] = sum_t a[m][t] v[t][n]   (A from registers, V MN-major in shared memory: O = P V)
-// at N = K = 64 (one 64-element panel) and at N = 128 (two panels: K = 128 for S, N = 128 for O, as head_dim 128).
+// at N = K = 64 (one 64-element panel), at N = 128 (two panels: K = 128 for S, N = 128 for O, as head_dim 128), and
+// with the 32-token K/V tiles of head_dim 256 (S: N = 32; O: K = 32 tokens in panels of 32 rows).
 // Inputs are bf16 bits; c is float.
 #pragma once
 
@@ -24,7 +25,9 @@ struct WgmmaProbe {
 constexpr WgmmaProbe kWgmmaProbes[] = {{"wgmma_probe_ss64", 64, 64, 64, true},
                                        {"wgmma_probe_rs64", 64, 64, 64, false},
                                        {"wgmma_probe_ss128", 64, 128, 128, true},
-                                       {"wgmma_probe_rs128", 64, 128, 64, false}};
+                                       {"wgmma_probe_rs128", 64, 128, 64, false},
+                                       {"wgmma_probe_ss32", 64, 32, 128, true},
+                                       {"wgmma_probe_rs128_k32", 64, 128, 32, false}};
 
 inline jit::KernelSource wgmma_probe_source() {
   jit::KernelSource s;
@@ -133,6 +136,43 @@ __global__ void __launch_bounds__(128) wgmma_probe_rs128(const uint16_t* a, cons
   wgmma::fence();
   for (int k = 0; k < 4; ++k)
     wgmma::m64n128k16_rs_tb(d, f[k], wgmma::mn_major(smem_address(sv[0]), k, 64 * 128), k > 0, Bf16{});
+  wgmma::commit();
+  wgmma::wait<0>();
+  store_d<128>(d, c);
+}
+
+// c = a b^T, M = 64, N = 32 (32 rows of b: the S tile of 32 tokens at head_dim 256), K = 128 (two panels).
+__global__ void __launch_bounds__(128) wgmma_probe_ss32(const uint16_t* a, const uint16_t* b, float* c) {
+  __shared__ __align__(1024) uint16_t sa[2][64 * 64];
+  __shared__ __align__(1024) uint16_t sb[2][32 * 64];
+  for (int p = 0; p < 2; ++p) to_panel(a, 64, 64 * p, sa[p]), to_panel(b, 32, 64 * p, sb[p]);
+  wgmma::fence_operands();
+  __syncthreads();
+  float d[16];
+  for (int i = 0; i < 16; ++i) d[i] = 0.f;
+  wgmma::fence();
+  for (int k = 0; k < 8; ++k)
+    wgmma::m64n32k16_ss(d, wgmma::k_major(smem_address(sa[k / 4]), k % 4),
+                        wgmma::k_major(smem_address(sb[k / 4]), k % 4), k > 0, Bf16{});
+  wgmma::commit();
+  wgmma::wait<0>();
+  store_d<32>(d, c);
+}
+
+// c = a v, M = 64, N = 128, K = 32 tokens: V in panels of 32 rows (4096 bytes apart), as a head_dim 256 stage
+// holds them.
+__global__ void __launch_bounds__(128) wgmma_probe_rs128_k32(const uint16_t* a, const uint16_t* v, float* c) {
+  __shared__ __align__(1024) uint16_t sv[2][32 * 64];
+  for (int p = 0; p < 2; ++p) to_panel(v, 32, 64 * p, sv[p]);
+  wgmma::fence_operands();
+  __syncthreads();
+  uint32_t f[2][4];
+  for (int k = 0; k < 2; ++k) a_fragment(a, k, f[k]);
+  float d[64];
+  for (int i = 0; i < 64; ++i) d[i] = 0.f;
+  wgmma::fence();
+  for (int k = 0; k < 2; ++k)
+    wgmma::m64n128k16_rs_tb(d, f[k], wgmma::mn_major(smem_address(sv[0]), k, 32 * 128), k > 0, Bf16{});
   wgmma::commit();
   wgmma::wait<0>();
   store_d<128>(d, c);

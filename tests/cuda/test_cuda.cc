@@ -571,6 +571,7 @@ TEST(CudaWgmma, PrefillKernelSelectionFollowsTheSetting) {
   cuda::set_prefill_wgmma(cuda::PrefillWgmma::kOn);
   EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(64, 128));
   EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(128, 128));
+  EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(256, 64));  // head_dim 256's tile is 64 rows
   EXPECT_FALSE(cuda::prefill_wgmma_serves(64, 64));
   cuda::set_prefill_wgmma(cuda::PrefillWgmma::kOff);
   EXPECT_FALSE(cuda::prefill_wgmma_serves(128, 128));

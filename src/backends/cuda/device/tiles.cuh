@@ -336,14 +336,15 @@ struct KVTileLoader {
       cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc, valid ? 16 : 0);
     }
   }
-  // The copying warpgroup of prefill_wgmma_ws_body (one token a thread, few registers). fetch_offsets(t) finds the
+  // The copying warpgroup of prefill_wgmma_ws_body (a token a thread, few registers). fetch_offsets(t) finds the
   // byte offsets of tile t's rows once per token (K and V: KV head, page and slot through this layout's strides)
   // into shared slot t % kPageSlots, where load() has each of a row's chunk threads redo that arithmetic;
   // load_offsets(t) then costs a row one 16-byte shared load, two adds and its two copies. Tokens past `last` keep
   // the last token's offsets (a valid address) and are zero-filled. A barrier among the copying threads separates
   // the two, as with fetch_pages.
   __device__ __forceinline__ void fetch_offsets(int t, longlong2* offsets) const {
-    static_assert(kThreads == kTileTokens && kPageSlots > 0, "one token a thread, kPageSlots shared slots");
+    static_assert(kThreads >= kTileTokens && kPageSlots > 0, "a token a thread at most, kPageSlots shared slots");
+    if (kThreads > kTileTokens && threadIdx.x >= kTileTokens) return;
     const int token = min(first + t * kTileTokens + static_cast<int>(threadIdx.x), last - 1);
     const int64_t page = page_of(token), slot = slot_of(token);
     offsets[(t % kPageSlots) * kTileTokens + threadIdx.x] =

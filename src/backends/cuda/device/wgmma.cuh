@@ -147,6 +147,21 @@ __device__ __forceinline__ void m64n128k16_rs_tb(float d[64], const uint32_t a[4
                                                  F16) {
   ATTNFORGE_WGMMA_RS128("f16", "1");
 }
+// N = 32 (16 accumulator registers): S over the 32-token K tiles of head_dim 256, whose O takes 128.
+#define ATTNFORGE_WGMMA_SS32(TYPE)                                                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                       \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                                    \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),     \
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+               : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+__device__ __forceinline__ void m64n32k16_ss(float d[16], uint64_t a, uint64_t b, bool accumulate, Bf16) {
+  ATTNFORGE_WGMMA_SS32("bf16");
+}
+__device__ __forceinline__ void m64n32k16_ss(float d[16], uint64_t a, uint64_t b, bool accumulate, F16) {
+  ATTNFORGE_WGMMA_SS32("f16");
+}
+#undef ATTNFORGE_WGMMA_SS32
 #undef ATTNFORGE_WGMMA_SS128
 #undef ATTNFORGE_WGMMA_RS128
 #undef ATTNFORGE_WGMMA_D64

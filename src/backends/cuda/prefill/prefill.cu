@@ -133,6 +133,9 @@ bool launch_prefill_wgmma(const AttentionParams& p, const KernelDims& dims, cuda
   const bool bf16 = p.q_dtype == DType::kBFloat16;
   if (d == 64)
     bf16 ? launch_wgmma<64, Bf16>(p, dims, stream) : launch_wgmma<64, F16>(p, dims, stream);
+  else if (d == 256)  // the warp-specialized form only
+    bf16 ? launch_wgmma_form<256, Bf16, WgmmaForm::kWarpSpecialized>(p, dims, stream)
+         : launch_wgmma_form<256, F16, WgmmaForm::kWarpSpecialized>(p, dims, stream);
   else
     bf16 ? launch_wgmma<128, Bf16>(p, dims, stream) : launch_wgmma<128, F16>(p, dims, stream);
   return true;
@@ -174,7 +177,7 @@ PrefillWgmma prefill_wgmma() {
 bool prefill_wgmma_serves(int head_dim, int rows) {
   const PrefillWgmma mode = prefill_wgmma();
   if (mode == PrefillWgmma::kOff || rows != prefill_rows(head_dim)) return false;
-  if (head_dim != 128 && (head_dim != 64 || mode != PrefillWgmma::kOn)) return false;
+  if (head_dim != 128 && ((head_dim != 64 && head_dim != 256) || mode != PrefillWgmma::kOn)) return false;
   return compute_capability() == 90;  // sm_90a code runs on 9.0 only
 }
 
@@ -187,6 +190,7 @@ int prefill_ctas_per_sm(int head_dim, int rows) {
   // The Hopper kernel holds one CTA per SM where it serves the plan's tiles; the planner's split targets follow
   // it. (A plan with RoPE still runs prefill_kernel, two CTAs per SM, on these targets: it splits less.)
   if (prefill_wgmma_serves(head_dim, rows)) {
+    if (head_dim == 256) return configure_wgmma<PrefillWgmmaTraits<256, Bf16, WgmmaForm::kWarpSpecialized>>();
     const auto form = static_cast<WgmmaForm>(prefill_wgmma_form());
     return head_dim == 64 ? configure_wgmma_form<64>(form) : configure_wgmma_form<128>(form);
   }

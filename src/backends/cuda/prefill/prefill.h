@@ -20,9 +20,11 @@ int prefill_plan_rows(const AttentionParams& p);
 LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens, int rows);
 
 // Which kernel runs the plans the Hopper kernel serves (prefill_wgmma.cuh: nvcc-built, compute capability 9.0,
-// the head dim's 128-row tiles, 16-bit K/V in Q's type, no RoPE); every other plan runs prefill_kernel.
+// the head dim's tiles of prefill_rows rows, 16-bit K/V in Q's type, no RoPE); every other plan runs prefill_kernel.
 //   kAuto (ATTNFORGE_PREFILL_WGMMA unset or "auto"): head_dim 128, where the H200 measured it faster;
-//   kOff ("0"): never (the portable kernel everywhere); kOn ("1"): head_dim 64 too.
+//   kOff ("0"): never (the portable kernel everywhere); kOn ("1"): head_dim 64 and 256 too (256: the
+//   warp-specialized form whatever ATTNFORGE_PREFILL_WGMMA_WS says, its two computing warpgroups splitting the
+//   K/V tiles of 64-row tiles; not yet run on a GPU).
 enum class PrefillWgmma { kAuto, kOff, kOn };
 void set_prefill_wgmma(PrefillWgmma mode);  // overrides the environment (tests, A/B runs)
 PrefillWgmma prefill_wgmma();
