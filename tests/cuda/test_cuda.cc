@@ -554,8 +554,9 @@ TEST(CudaWgmma, ProbeProductsMatchFloat64) {
   ATTNFORGE_CU_CHECK(d.cuModuleUnload(module));
 }
 
-// Which plans the Hopper prefill kernel takes under each setting: by default head_dim 128's 128-row tiles on
-// compute capability 9.0 only, head_dim 64 too when forced on, none when off; never the 64-row tiles.
+// Which plans the Hopper prefill kernel takes under each setting: by default (and forced on) the head dim's own
+// tiles (128 rows at head_dim 64 and 128, 64 at 256) on compute capability 9.0 only, none when off; never the short
+// 64-row tiles of head_dim 64 and 128.
 TEST(CudaWgmma, PrefillKernelSelectionFollowsTheSetting) {
   int device = 0, major = 0, minor = 0;
   ASSERT_EQ(cudaSuccess, cudaGetDevice(&device));
@@ -563,16 +564,16 @@ TEST(CudaWgmma, PrefillKernelSelectionFollowsTheSetting) {
   ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   const bool sm90 = major == 9 && minor == 0;
   const cuda::PrefillWgmma before = cuda::prefill_wgmma();
-  cuda::set_prefill_wgmma(cuda::PrefillWgmma::kAuto);
-  EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(128, 128));
-  EXPECT_FALSE(cuda::prefill_wgmma_serves(128, 64));
-  EXPECT_FALSE(cuda::prefill_wgmma_serves(64, 128));
-  EXPECT_FALSE(cuda::prefill_wgmma_serves(256, 64));
-  cuda::set_prefill_wgmma(cuda::PrefillWgmma::kOn);
-  EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(64, 128));
-  EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(128, 128));
-  EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(256, 64));  // head_dim 256's tile is 64 rows
-  EXPECT_FALSE(cuda::prefill_wgmma_serves(64, 64));
+  for (const cuda::PrefillWgmma mode : {cuda::PrefillWgmma::kAuto, cuda::PrefillWgmma::kOn}) {
+    cuda::set_prefill_wgmma(mode);
+    EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(64, 128));
+    EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(128, 128));
+    EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(256, 64));  // head_dim 256's tile is 64 rows
+    EXPECT_FALSE(cuda::prefill_wgmma_serves(128, 64));
+    EXPECT_FALSE(cuda::prefill_wgmma_serves(64, 64));
+    EXPECT_FALSE(cuda::prefill_wgmma_serves(256, 128));
+    EXPECT_FALSE(cuda::prefill_wgmma_serves(96, 128));
+  }
   cuda::set_prefill_wgmma(cuda::PrefillWgmma::kOff);
   EXPECT_FALSE(cuda::prefill_wgmma_serves(128, 128));
   // Plans of 128-row tiles the Hopper kernel takes are balanced over its one CTA per SM.

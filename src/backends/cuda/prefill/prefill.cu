@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <string>
 
 #include "core/env.h"
@@ -177,12 +178,12 @@ PrefillWgmma prefill_wgmma() {
 bool prefill_wgmma_serves(int head_dim, int rows) {
   const PrefillWgmma mode = prefill_wgmma();
   if (mode == PrefillWgmma::kOff || rows != prefill_rows(head_dim)) return false;
-  if (head_dim != 128 && ((head_dim != 64 && head_dim != 256) || mode != PrefillWgmma::kOn)) return false;
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256) return false;
   return compute_capability() == 90;  // sm_90a code runs on 9.0 only
 }
 
 int prefill_wgmma_form() {
-  static const int form = std::stoi(detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1", "2"}, "1"));
+  static const int form = std::stoi(detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1", "2"}, "2"));
   return form;
 }
 
@@ -202,9 +203,40 @@ int prefill_ctas_per_sm(int head_dim, int rows) {
   }
 }
 
+#if defined(ATTNFORGE_WGMMA_TRACE) && ATTNFORGE_WGMMA_TRACE
+// Trace builds only (prefill_wgmma.cuh): waits for the launch and prints the pipelined form's clock counters of
+// every persistent CTA, one line per side, for scripts/wgmma_trace.py.
+void print_wgmma_trace(cudaStream_t stream) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  ATTNFORGE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+  if (capturing != cudaStreamCaptureStatusNone || prefill_wgmma_form() != 2) return;
+  static long long h[kTraceCtas][3][kTraceFields];
+  ATTNFORGE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  ATTNFORGE_CUDA_CHECK(cudaMemcpyFromSymbol(h, wgmma_trace, sizeof h));
+  static const long long zero[kTraceCtas][3][kTraceFields] = {};
+  ATTNFORGE_CUDA_CHECK(cudaMemcpyToSymbol(wgmma_trace, zero, sizeof zero));
+  for (int cta = 0; cta < std::min(kTraceCtas, sm_count()); ++cta) {
+    const long long* o = h[cta][0];
+    std::printf("wgmma-trace copier cta %d items %lld tiles %lld total %lld range %lld fetch %lld empty %lld load %lld\n",
+                cta, o[0], o[1], o[2], o[3], o[4], o[5], o[6]);
+    for (int g = 0; g < 2; ++g) {
+      o = h[cta][1 + g];
+      std::printf("wgmma-trace consumer%d cta %d items %lld tiles %lld total %lld masked_tiles %lld setup %lld "
+                  "first %lld wait %lld plain %lld masked %lld store %lld\n",
+                  g, cta, o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9]);
+    }
+  }
+}
+#endif
+
 void run_prefill(const AttentionParams& p, cudaStream_t stream) {
   const LaunchConfig c = prefill_launch_config(p, prefill_tile_tokens(p.head_dim_qk), prefill_plan_rows(p));
-  if (launch_prefill_wgmma(p, c.attention, stream)) return run_merge(p, stream);
+  if (launch_prefill_wgmma(p, c.attention, stream)) {
+#if defined(ATTNFORGE_WGMMA_TRACE) && ATTNFORGE_WGMMA_TRACE
+    if (p.head_dim_qk != 256) print_wgmma_trace(stream);
+#endif
+    return run_merge(p, stream);
+  }
   switch (p.head_dim_qk) {
     case 64: launch_variant<64>(p, c.attention, stream); break;
     case 128: launch_variant<128>(p, c.attention, stream); break;

@@ -21,19 +21,19 @@ LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens, i
 
 // Which kernel runs the plans the Hopper kernel serves (prefill_wgmma.cuh: nvcc-built, compute capability 9.0,
 // the head dim's tiles of prefill_rows rows, 16-bit K/V in Q's type, no RoPE); every other plan runs prefill_kernel.
-//   kAuto (ATTNFORGE_PREFILL_WGMMA unset or "auto"): head_dim 128, where the H200 measured it faster;
-//   kOff ("0"): never (the portable kernel everywhere); kOn ("1"): head_dim 64 and 256 too (256: the
-//   warp-specialized form whatever ATTNFORGE_PREFILL_WGMMA_WS says, its two computing warpgroups splitting the
-//   K/V tiles of 64-row tiles; not yet run on a GPU).
+//   kAuto (ATTNFORGE_PREFILL_WGMMA unset or "auto") and kOn ("1"): head_dim 64, 128 and 256, all measured faster
+//   on the H200 than the portable kernel (256: the warp-specialized form whatever ATTNFORGE_PREFILL_WGMMA_WS says,
+//   its two computing warpgroups splitting the K/V tiles of 64-row tiles); kOff ("0"): never (the portable kernel
+//   everywhere).
 enum class PrefillWgmma { kAuto, kOff, kOn };
 void set_prefill_wgmma(PrefillWgmma mode);  // overrides the environment (tests, A/B runs)
 PrefillWgmma prefill_wgmma();
 // Whether plans of this head dim and CTA rows run on the Hopper kernel on the current device (RoPE, dtypes aside).
 bool prefill_wgmma_serves(int head_dim, int rows);
-// The Hopper kernel's form (prefill_wgmma.cuh: WgmmaForm), ATTNFORGE_PREFILL_WGMMA_WS: "1" (the default,
-// kWarpSpecialized: a copying warpgroup and two computing ones; 1.4x the barrier form on the H200's head_dim 128
-// cases at 22f6d17), "0" (kBarrier: all 256 threads copy and meet at a barrier per tile) or "2" (kPipelined: the
-// copier runs into the next item while the computing warpgroups finish the last; not yet measured). Read once.
+// The Hopper kernel's form at head_dim 64 and 128 (prefill_wgmma.cuh: WgmmaForm), ATTNFORGE_PREFILL_WGMMA_WS:
+// "2" (the default, kPipelined: persistent CTAs whose copying warpgroup runs into the next item while the two
+// computing ones finish the last), "1" (kWarpSpecialized: the CTA meets twice per item) or "0" (kBarrier: all 256
+// threads copy and meet at a barrier per tile). Read once.
 int prefill_wgmma_form();
 
 // The nvcc-compiled kernels (the default tile configuration): CTAs per SM of the kernel plans of `rows` CTA rows

@@ -21,6 +21,18 @@
 
 namespace attnforge::cuda {
 
+// Where an item's time goes in the pipelined form: built with -DATTNFORGE_WGMMA_TRACE=1 (never by default), each
+// persistent CTA leaves in wgmma_trace the clock cycles its copier and its computing warpgroups spent in each phase
+// of their items, which run_prefill prints after the launch (scripts/device-check trace sums the lines). Stores, not
+// printf: a call in the kernel made ptxas serialize the wgmma products. Production builds compile none of it.
+#if defined(ATTNFORGE_WGMMA_TRACE) && ATTNFORGE_WGMMA_TRACE
+#define ATTNFORGE_TRACE(...) __VA_ARGS__
+constexpr int kTraceCtas = 1024, kTraceFields = 12;
+static __device__ long long wgmma_trace[kTraceCtas][3][kTraceFields];  // [CTA][copier, computing 0, 1][field]
+#else
+#define ATTNFORGE_TRACE(...)
+#endif
+
 // The kernel's forms (prefill.h: prefill_wgmma_form):
 //   kBarrier: all 256 threads copy every K/V tile and meet at a barrier per tile (prefill_wgmma_body);
 //   kWarpSpecialized: a third warpgroup copies the tiles into the stages and the two that compute never meet at a
@@ -554,7 +566,10 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
 
   if (wg == 0) {
     mbar::shrink_registers<Tr::kProducerRegs>();
+    ATTNFORGE_TRACE(long long tr_range = 0, tr_fetch = 0, tr_empty = 0, tr_load = 0, tr_items = 0, tr_tiles = 0;
+                    const long long tr_begin = clock64(); long long tr_t = tr_begin;)
     for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+      ATTNFORGE_TRACE(tr_t = clock64(); ++tr_items;)
       const int kv_head = w / num_items;
       const WorkItem it = plan.items[num_items - 1 - (w - kv_head * num_items)];
       ItemRows m;
@@ -578,16 +593,25 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       parity ^= 1;
       const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
       KVTileLoader<D, N, 128, S, 2, true> loader(kv, m.b, kv_head, range_lo, range_hi);
+      ATTNFORGE_TRACE(long long tr_now = clock64(); tr_range += tr_now - tr_t; tr_t = tr_now; tr_tiles += num_tiles;)
 #pragma unroll 1
       for (int t = 0; t < num_tiles; ++t, ++count) {
         const int s = count % S;
         loader.fetch_offsets(t, s_offsets);
+        ATTNFORGE_TRACE(tr_now = clock64(); tr_fetch += tr_now - tr_t; tr_t = tr_now;)
         if (count >= S) mbar::wait(&empty[s], ((count / S) & 1) ^ 1);  // the consumers read this stage's last tile
+        ATTNFORGE_TRACE(tr_now = clock64(); tr_empty += tr_now - tr_t; tr_t = tr_now;)
         mbar::named_sync(1, 128);
         loader.load_offsets(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes, s_offsets);
         mbar::arrive_on_copies(&full[s]);
+        ATTNFORGE_TRACE(tr_now = clock64(); tr_load += tr_now - tr_t; tr_t = tr_now;)
       }
     }
+    ATTNFORGE_TRACE(if (threadIdx.x == 0 && blockIdx.z == 0 && blockIdx.x < kTraceCtas) {
+      long long* o = wgmma_trace[blockIdx.x][0];  // the order run_prefill prints
+      o[0] = tr_items, o[1] = tr_tiles, o[2] = clock64() - tr_begin, o[3] = tr_range, o[4] = tr_fetch;
+      o[5] = tr_empty, o[6] = tr_load;
+    })
     grid_launch_dependents();
   } else {
     mbar::grow_registers<Tr::kConsumerRegs>();
@@ -596,7 +620,11 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
     const uint32_t q_addr = smem_address(sQ) + 64 * cwg * 128;  // this warpgroup's 64 rows of each Q panel
     const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
     const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
+    ATTNFORGE_TRACE(long long tr_setup = 0, tr_first = 0, tr_wait = 0, tr_plain = 0, tr_masked = 0, tr_store = 0,
+                    tr_items = 0, tr_tiles = 0, tr_masked_tiles = 0;
+                    const long long tr_begin = clock64(); long long tr_t = tr_begin, tr_now = 0;)
     for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+      ATTNFORGE_TRACE(tr_t = clock64(); ++tr_items;)
       const int kv_head = w / num_items;
       const WorkItem it = plan.items[num_items - 1 - (w - kv_head * num_items)];
       ItemRows m;
@@ -647,20 +675,33 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
                         warp_row0, lane, w_max_lo, w_min_hi, scale_log2, transform};
       WgmmaRows<D> st;
       wgmma_reset_rows(st);
+      ATTNFORGE_TRACE(tr_now = clock64(); tr_setup += tr_now - tr_t; tr_t = tr_now; tr_tiles += num_tiles;)
 #pragma unroll 1
       for (int t = 0; t < num_tiles; ++t, ++count) {
         const int s = count % S;
         mbar::wait(&full[s], (count / S) & 1);
+        ATTNFORGE_TRACE(tr_now = clock64(); (t == 0 ? tr_first : tr_wait) += tr_now - tr_t; tr_t = tr_now;)
         wgmma::fence_operands();  // the copier's copies, seen through the barrier, before the tensor cores read
         const int tile_start = range_lo + t * N;
         if (tile_start < g_hi && tile_start + N > g_lo)  // some row of this warpgroup sees the tile
           wgmma_attend_tile<Tr>(p, c, st, q_addr, smem_address(sK + s * Tr::kStageBytes),
                                 smem_address(sV + s * Tr::kStageBytes), tile_start);
         mbar::arrive(&empty[s]);
+        ATTNFORGE_TRACE(tr_now = clock64();
+                        const bool tr_is_plain = !transform && !vp.custom_mask && tile_start >= w_max_lo &&
+                                                 tile_start + N <= w_min_hi;
+                        (tr_is_plain ? tr_plain : tr_masked) += tr_now - tr_t; tr_masked_tiles += !tr_is_plain;
+                        tr_t = tr_now;)
       }
       if (w + gridDim.x >= num_work) grid_launch_dependents();  // this CTA's last item
       wgmma_store_rows<D>(p, c, st);
+      ATTNFORGE_TRACE(tr_now = clock64(); tr_store += tr_now - tr_t; tr_t = tr_now;)
     }
+    ATTNFORGE_TRACE(if ((threadIdx.x & 127) == 0 && blockIdx.z == 0 && blockIdx.x < kTraceCtas) {
+      long long* o = wgmma_trace[blockIdx.x][1 + cwg];  // the order run_prefill prints
+      o[0] = tr_items, o[1] = tr_tiles, o[2] = clock64() - tr_begin, o[3] = tr_masked_tiles, o[4] = tr_setup;
+      o[5] = tr_first, o[6] = tr_wait, o[7] = tr_plain, o[8] = tr_masked, o[9] = tr_store;
+    })
   }
 #endif
 }

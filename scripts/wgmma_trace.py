@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""Sums the clock counters a trace build of the Hopper prefill kernel prints (prefill_wgmma.cuh:
+ATTNFORGE_WGMMA_TRACE; scripts/device-check trace) over every traced CTA and launch, for one bench case, and prints
+each side's phases as shares of its cycles and as cycles per item and per K/V tile.
+
+usage: wgmma_trace.py CASE_NAME TRACE_OUTPUT"""
+import collections
+import sys
+
+
+def main() -> int:
+    name, path = sys.argv[1], sys.argv[2]
+    sums = collections.defaultdict(collections.Counter)
+    for line in open(path, errors="replace"):
+        if not line.startswith("wgmma-trace "):
+            continue
+        words = line.split()
+        role, fields = words[1], words[2:]
+        counts = {fields[i]: int(fields[i + 1]) for i in range(0, len(fields) - 1, 2)}
+        counts.pop("cta", None)
+        sums[role].update(counts)
+        sums[role]["ctas"] += 1
+    if not sums:
+        print(f"trace {name}: no trace lines (was the kernel the pipelined form?)")
+        return 1
+    for role in sorted(sums):
+        c = sums[role]
+        total, items, tiles = c["total"], max(c["items"], 1), max(c["tiles"], 1)
+        phases = [k for k in c if k not in ("ctas", "items", "tiles", "masked_tiles", "total")]
+        parts = ", ".join(f"{k} {100.0 * c[k] / total:.1f}%" for k in phases)
+        per_item = ", ".join(f"{k} {c[k] / items:.0f}" for k in phases)
+        print(f"trace {name} {role}: {c['ctas']} CTA-launches, {c['items']} items, {c['tiles']} tiles "
+              f"({c['tiles'] / items:.1f} an item, masked {c['masked_tiles']}), {total / items:.0f} cycles an item, "
+              f"{total / tiles:.0f} a tile")
+        print(f"    share: {parts}, other {100.0 * (total - sum(c[k] for k in phases)) / total:.1f}%")
+        print(f"    cycles an item: {per_item}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
