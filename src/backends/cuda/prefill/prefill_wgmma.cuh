@@ -131,11 +131,33 @@ __device__ __forceinline__ void wgmma_attend_tile(const AttentionParams& p, cons
   wgmma::commit();
   wgmma::wait<0>();
 
-  // Mask and online softmax, as prefill_kernel (one m tile: s_acc[4 n + e] is its s_acc[0][n][e]).
-  const bool plain = !c.transform && !vp.custom_mask && tile_start >= c.w_max_lo && tile_start + N <= c.w_min_hi;
-  const float s_mul = plain ? c.scale_log2 : 1.f;
+  // Mask and online softmax, as prefill_kernel (one m tile: s_acc[4 n + e] is its s_acc[0][n][e]). Without soft-cap,
+  // ALiBi or a custom mask the masks are the rows' KV ranges alone: a tile they cut (the causal diagonal, a window's
+  // edge) gets -inf outside them and then the plain tile's code. That compact pass replaced the per-key
+  // builtin_logit path there, which ran a masked tile 4.8x as long as a plain one (H200 trace at fd447de: 17,400
+  // cycles against 3,600, a quarter of a short item's time), now left to the options that need it.
+  const bool ranges_only = !c.transform && !vp.custom_mask;
+  const bool plain = ranges_only && tile_start >= c.w_max_lo && tile_start + N <= c.w_min_hi;
+  const float s_mul = ranges_only ? c.scale_log2 : 1.f;
   float tile_max[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY};
-  if (plain) {
+  if (ranges_only) {
+    if (!plain) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = c.warp_row0 + c.lane / 4 + 8 * h;
+        int lo, hi;
+        row_kv_range(vp, it, r, c.rows, c.row0 + r, c.group, c.qo_len, c.kv_len, &lo, &hi);
+        const int j0 = tile_start + 2 * (c.lane % 4);  // this lane's first key of the tile
+        lo -= j0, hi -= j0;
+#pragma unroll
+        for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            const int j = n * 8 + (e % 2);
+            if (j < lo || j >= hi) s_acc[4 * n + e] = -ATTNFORGE_INFINITY;
+          }
+      }
+    }
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s_acc[i]);
     tile_max[0] *= c.scale_log2;
@@ -224,6 +246,57 @@ __device__ __forceinline__ void wgmma_store_rows(const AttentionParams& p, const
     store_quad_row<D>(p, it, q, c.qo_start, f, lse,
                       [&](int n) { return make_float2(st.o_acc[4 * n + 2 * h], st.o_acc[4 * n + 2 * h + 1]); });
   }
+}
+
+// As wgmma_store_rows, for final rows written in Q's type to 16-byte aligned rows (wgmma_staged_store): the
+// warpgroup puts its 64 normalized rows into its own rows of the Q panels (`q_rows`, read by no product of the item
+// any more), meets at named barrier `bar` (its 128 threads), and writes each row's 16-byte chunks, consecutive
+// threads along a row; then meets again, so the next item's Q may land there. The direct stores wrote 2 bytes a
+// lane and touched eight rows an instruction: 10,500 cycles an item on the H200 (trace at fd447de), as long as three
+// K/V tiles. `wg_row0`: the warpgroup's first row of the CTA's (its rows of the panels start there).
+template <class Tr>
+__device__ __forceinline__ void wgmma_store_rows_staged(const AttentionParams& p, const WgmmaItem& c,
+                                                        const WgmmaRows<Tr::kHeadDim>& st, uint8_t* q_rows,
+                                                        int wg_row0, int bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Elem = typename Tr::Elem;
+  constexpr int D = Tr::kHeadDim, kPanelBytes = Tr::kRows * 128, kChunks = D / 8;
+  const WorkItem& it = c.it;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = warp_sum_quad(st.l_run[h]);
+    const int r = c.warp_row0 + c.lane / 4 + 8 * h, lr = r - wg_row0;  // the CTA's row, the warpgroup's
+    const QueryRow q = query_row(it, c.row0 + r, c.group, c.kv_head);
+    float lse, f;
+    row_scale<true>(p.variant, q.head, st.m_run[h], l, p.kv.v_scale, true, &lse, &f);
+    if (p.lse && c.lane % 4 == 0 && r < c.rows) p.lse[(c.qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
+#pragma unroll
+    for (int n = 0; n < kChunks; ++n)
+      *reinterpret_cast<uint32_t*>(q_rows + (n / 8) * kPanelBytes + lr * 128 + ((n % 8) ^ (lr % 8)) * 16 +
+                                   4 * (c.lane % 4)) =
+          pack2(st.o_acc[4 * n + 2 * h] * f, st.o_acc[4 * n + 2 * h + 1] * f, Elem{});
+  }
+  mbar::named_sync(bar, 128);
+  const int t = threadIdx.x & 127;
+  uint16_t* o = static_cast<uint16_t*>(p.o);
+#pragma unroll
+  for (int k = 0; k < 64 * kChunks / 128; ++k) {
+    const int i = k * 128 + t, lr = i / kChunks, n = i % kChunks;
+    if (wg_row0 + lr >= c.rows) continue;
+    const QueryRow q = query_row(it, c.row0 + wg_row0 + lr, c.group, c.kv_head);
+    const uint4 v =
+        *reinterpret_cast<const uint4*>(q_rows + (n / 8) * kPanelBytes + lr * 128 + ((n % 8) ^ (lr % 8)) * 16);
+    *reinterpret_cast<uint4*>(o + (c.qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head + n * 8) = v;
+  }
+  mbar::named_sync(bar, 128);
+#endif
+}
+
+// Whether wgmma_store_rows_staged may write an item's rows: final rows (not a split's partial state) in Q's type,
+// rows 16-byte aligned.
+__device__ __forceinline__ bool wgmma_staged_store(const AttentionParams& p, const WorkItem& it) {
+  return it.partial_row < 0 && p.o_dtype == p.q_dtype && (reinterpret_cast<uintptr_t>(p.o) & 15) == 0 &&
+         p.o_stride_token % 8 == 0 && p.o_stride_head % 8 == 0;
 }
 
 // This thread's rows (warp_row0 + lane / 4 + 8 h): the warp's union of their KV ranges, which lane 0 publishes in
@@ -514,8 +587,13 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
 #pragma unroll
           for (int j = 0; j < D / 2; ++j)
             st.o_acc[j] = st.o_acc[j] * c0[(j % 4) / 2] + buf[j * 128 + i] * c1[(j % 4) / 2];
-          wgmma_store_rows<D>(p, c, st);
+          if (wgmma_staged_store(p, it))  // Q (both warpgroups' rows) is read no more
+            wgmma_store_rows_staged<Tr>(p, c, st, sQ, 0, 5);
+          else
+            wgmma_store_rows<D>(p, c, st);
         }
+      } else if (wgmma_staged_store(p, it)) {
+        wgmma_store_rows_staged<Tr>(p, c, st, sQ + 64 * cwg * 128, 64 * cwg, 5 + cwg);
       } else {
         wgmma_store_rows<D>(p, c, st);
       }
@@ -694,7 +772,10 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
                         tr_t = tr_now;)
       }
       if (w + gridDim.x >= num_work) grid_launch_dependents();  // this CTA's last item
-      wgmma_store_rows<D>(p, c, st);
+      if (wgmma_staged_store(p, it))  // its own rows of Q, which the next item's Q load waits for
+        wgmma_store_rows_staged<Tr>(p, c, st, sQ + 64 * cwg * 128, 64 * cwg, 4 + cwg);
+      else
+        wgmma_store_rows<D>(p, c, st);
       ATTNFORGE_TRACE(tr_now = clock64(); tr_store += tr_now - tr_t; tr_t = tr_now;)
     }
     ATTNFORGE_TRACE(if ((threadIdx.x & 127) == 0 && blockIdx.z == 0 && blockIdx.x < kTraceCtas) {
