@@ -260,8 +260,12 @@ __device__ __forceinline__ void wgmma_store_rows_staged(const AttentionParams& p
                                                         int wg_row0, int bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Elem = typename Tr::Elem;
-  constexpr int D = Tr::kHeadDim, kPanelBytes = Tr::kRows * 128, kChunks = D / 8;
+  constexpr int D = Tr::kHeadDim, kChunks = D / 8;
   const WorkItem& it = c.it;
+  // The warpgroup's row lr, 16-byte chunk n, in the panels' 128-byte swizzle (conflict-free both ways).
+  auto staged = [&](int lr, int n) {
+    return q_rows + (n / 8) * (Tr::kRows * 128) + lr * 128 + ((n % 8) ^ (lr % 8)) * 16;
+  };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float l = warp_sum_quad(st.l_run[h]);
@@ -272,8 +276,7 @@ __device__ __forceinline__ void wgmma_store_rows_staged(const AttentionParams& p
     if (p.lse && c.lane % 4 == 0 && r < c.rows) p.lse[(c.qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
 #pragma unroll
     for (int n = 0; n < kChunks; ++n)
-      *reinterpret_cast<uint32_t*>(q_rows + (n / 8) * kPanelBytes + lr * 128 + ((n % 8) ^ (lr % 8)) * 16 +
-                                   4 * (c.lane % 4)) =
+      *reinterpret_cast<uint32_t*>(staged(lr, n) + 4 * (c.lane % 4)) =
           pack2(st.o_acc[4 * n + 2 * h] * f, st.o_acc[4 * n + 2 * h + 1] * f, Elem{});
   }
   mbar::named_sync(bar, 128);
@@ -284,9 +287,8 @@ __device__ __forceinline__ void wgmma_store_rows_staged(const AttentionParams& p
     const int i = k * 128 + t, lr = i / kChunks, n = i % kChunks;
     if (wg_row0 + lr >= c.rows) continue;
     const QueryRow q = query_row(it, c.row0 + wg_row0 + lr, c.group, c.kv_head);
-    const uint4 v =
-        *reinterpret_cast<const uint4*>(q_rows + (n / 8) * kPanelBytes + lr * 128 + ((n % 8) ^ (lr % 8)) * 16);
-    *reinterpret_cast<uint4*>(o + (c.qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head + n * 8) = v;
+    *reinterpret_cast<uint4*>(o + (c.qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head + n * 8) =
+        *reinterpret_cast<const uint4*>(staged(lr, n));
   }
   mbar::named_sync(bar, 128);
 #endif
