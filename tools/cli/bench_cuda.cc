@@ -604,7 +604,8 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
   const std::string dev = fmt::format("{} {}", to_string(device.device), device.name);
   // Which kernel ran the prefill cases (backends/cuda/prefill/prefill.h), so a record says what it measured.
   const char* wgmma_mode[] = {"auto", "0", "1"};
-  const char* wgmma_form[] = {" (barrier form)", " (warp-specialized)", " (warp-specialized, pipelined over items)"};
+  const char* wgmma_form[] = {" (barrier form)", " (warp-specialized)", " (warp-specialized, pipelined over items)",
+                              " (warp-specialized, pipelined over items, softmax overlapped with P V)"};
   const std::string prefill_kernels = fmt::format(
       "ATTNFORGE_PREFILL_WGMMA={}: {}", wgmma_mode[static_cast<int>(cuda::prefill_wgmma())],
       cuda::prefill_wgmma_serves(128, 128)

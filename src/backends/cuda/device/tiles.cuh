@@ -351,6 +351,8 @@ struct KVTileLoader {
         make_longlong2((kv_head * kv.k_stride_head + page * kv.k_stride_page + slot * kv.k_stride_token) * kElemBytes,
                        (kv_head * kv.v_stride_head + page * kv.v_stride_page + slot * kv.v_stride_token) * kElemBytes);
   }
+  // kK / kV: copy K's rows, V's, or both (the overlapped form's K and V stages have barriers of their own).
+  template <bool kK = true, bool kV = true>
   __device__ __forceinline__ void load_offsets(int t, void* sK, void* sV, const longlong2* offsets) const {
     const int chunk = threadIdx.x % kChunks;
     const uint8_t* k = static_cast<const uint8_t*>(kv.k) + chunk * 16;
@@ -362,8 +364,8 @@ struct KVTileLoader {
       const int r = row(i);
       const longlong2 o = tile[r];
       const int dst = kPanels ? panel_bytes<kTileTokens>(r, chunk) : swizzle_bytes<kRowBytes>(r, chunk);
-      cp_async_16(static_cast<uint8_t*>(sK) + dst, k + o.x, r < valid_rows ? 16 : 0);
-      cp_async_16(static_cast<uint8_t*>(sV) + dst, v + o.y, r < valid_rows ? 16 : 0);
+      if constexpr (kK) cp_async_16(static_cast<uint8_t*>(sK) + dst, k + o.x, r < valid_rows ? 16 : 0);
+      if constexpr (kV) cp_async_16(static_cast<uint8_t*>(sV) + dst, v + o.y, r < valid_rows ? 16 : 0);
     }
   }
 };

@@ -97,7 +97,8 @@ int configure_wgmma_form(WgmmaForm form) {
     case WgmmaForm::kBarrier: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kBarrier>>();
     case WgmmaForm::kWarpSpecialized:
       return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kWarpSpecialized>>();
-    default: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kPipelined>>();
+    case WgmmaForm::kPipelined: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kPipelined>>();
+    default: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kOverlapped>>();
   }
 }
 
@@ -108,7 +109,7 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
   // The pipelined form is persistent: one CTA per SM walks the (KV head, item) pairs (grid x times y of the
   // others), so its copier can run ahead into the next pair. From the capacities and the SM count alone, so a
   // captured graph survives re-plans.
-  if constexpr (kForm == WgmmaForm::kPipelined)
+  if constexpr (kForm == WgmmaForm::kPipelined || kForm == WgmmaForm::kOverlapped)
     dims.grid = dim3(std::min(dims.grid.x * dims.grid.y, static_cast<unsigned>(sm_count())), 1, dims.grid.z);
   dims.block = dim3(Tr::kThreads);
   dims.smem_bytes = Tr::kSmemBytes;
@@ -118,10 +119,17 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
 
 template <int D, typename Elem>
 void launch_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
-  switch (static_cast<WgmmaForm>(prefill_wgmma_form())) {
+  auto form = static_cast<WgmmaForm>(prefill_wgmma_form());
+  // The overlapped form compiles only the KV-range masks into its softmax; soft-cap, ALiBi and custom masks take
+  // the pipelined form (the same work split and plan).
+  const VariantParams& vp = p.variant;
+  if (form == WgmmaForm::kOverlapped && (vp.soft_cap > 0.f || vp.alibi_slopes != nullptr || vp.custom_mask))
+    form = WgmmaForm::kPipelined;
+  switch (form) {
     case WgmmaForm::kBarrier: return launch_wgmma_form<D, Elem, WgmmaForm::kBarrier>(p, dims, stream);
     case WgmmaForm::kWarpSpecialized: return launch_wgmma_form<D, Elem, WgmmaForm::kWarpSpecialized>(p, dims, stream);
-    default: return launch_wgmma_form<D, Elem, WgmmaForm::kPipelined>(p, dims, stream);
+    case WgmmaForm::kPipelined: return launch_wgmma_form<D, Elem, WgmmaForm::kPipelined>(p, dims, stream);
+    default: return launch_wgmma_form<D, Elem, WgmmaForm::kOverlapped>(p, dims, stream);
   }
 }
 
@@ -183,7 +191,7 @@ bool prefill_wgmma_serves(int head_dim, int rows) {
 }
 
 int prefill_wgmma_form() {
-  static const int form = std::stoi(detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1", "2"}, "2"));
+  static const int form = std::stoi(detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1", "2", "3"}, "2"));
   return form;
 }
 
@@ -209,7 +217,7 @@ int prefill_ctas_per_sm(int head_dim, int rows) {
 void print_wgmma_trace(cudaStream_t stream) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   ATTNFORGE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-  if (capturing != cudaStreamCaptureStatusNone || prefill_wgmma_form() != 2) return;
+  if (capturing != cudaStreamCaptureStatusNone || prefill_wgmma_form() < 2) return;
   static long long h[kTraceCtas][3][kTraceFields];
   ATTNFORGE_CUDA_CHECK(cudaStreamSynchronize(stream));
   ATTNFORGE_CUDA_CHECK(cudaMemcpyFromSymbol(h, wgmma_trace, sizeof h));

@@ -33,7 +33,8 @@ bool prefill_wgmma_serves(int head_dim, int rows);
 // The Hopper kernel's form at head_dim 64 and 128 (prefill_wgmma.cuh: WgmmaForm), ATTNFORGE_PREFILL_WGMMA_WS:
 // "2" (the default, kPipelined: persistent CTAs whose copying warpgroup runs into the next item while the two
 // computing ones finish the last), "1" (kWarpSpecialized: the CTA meets twice per item) or "0" (kBarrier: all 256
-// threads copy and meet at a barrier per tile). Read once.
+// threads copy and meet at a barrier per tile) or "3" (kOverlapped: as "2", and each computing warpgroup runs a
+// tile's softmax while the last tile's O += P V runs; not yet run on a GPU). Read once.
 int prefill_wgmma_form();
 
 // The nvcc-compiled kernels (the default tile configuration): CTAs per SM of the kernel plans of `rows` CTA rows

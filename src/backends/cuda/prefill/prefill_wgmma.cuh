@@ -40,7 +40,10 @@ static __device__ long long wgmma_trace[kTraceCtas][3][kTraceFields];  // [CTA][
 //   kPipelined: as kWarpSpecialized, but the CTA never meets after its start: each side finds the item's KV range
 //     itself, so the copier runs into the next item's tiles while the computing warpgroups finish the last, and
 //     each computing warpgroup loads its own half of Q (prefill_wgmma_pipelined_body).
-enum class WgmmaForm { kBarrier = 0, kWarpSpecialized = 1, kPipelined = 2 };
+//   kOverlapped: as kPipelined, and each computing warpgroup issues tile t's S = Q K^T together with tile t - 1's
+//     O += P V and runs tile t's softmax while the latter runs (K and V stages get barriers of their own: a tile's K
+//     is free once its S has completed, its V once its P V has).
+enum class WgmmaForm { kBarrier = 0, kWarpSpecialized = 1, kPipelined = 2, kOverlapped = 3 };
 
 template <int kHeadDim_, typename Elem_, WgmmaForm kForm_ = WgmmaForm::kBarrier>
 struct PrefillWgmmaTraits {
@@ -104,20 +107,17 @@ struct WgmmaItem {
   bool transform;
 };
 
-// One K/V tile for one warpgroup's 64 rows (Q at q_addr, the tile's K and V panels at k_addr / v_addr): S = Q K^T,
-// the masks and the online softmax on the accumulators, O += P V; returns when both products have completed.
+// The phases of one K/V tile for one warpgroup's 64 rows (Q at q_addr, the tile's K and V panels at k_addr /
+// v_addr): S = Q K^T issued (wgmma_issue_s), the masks and the online softmax on the accumulators
+// (wgmma_softmax), P packed (wgmma_pack_p), O += P V issued (wgmma_issue_pv). wgmma_attend_tile runs them in order,
+// waiting for each product; the overlapped form issues tile t's S with tile t - 1's P V and runs tile t's softmax
+// while that product runs.
 template <class Tr>
-__device__ __forceinline__ void wgmma_attend_tile(const AttentionParams& p, const WgmmaItem& c,
-                                                  WgmmaRows<Tr::kHeadDim>& st, uint32_t q_addr, uint32_t k_addr,
-                                                  uint32_t v_addr, int tile_start) {
+__device__ __forceinline__ void wgmma_issue_s(float (&s_acc)[Tr::kTileTokens / 2], uint32_t q_addr, uint32_t k_addr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, N = Tr::kTileTokens;
-  const VariantParams& vp = p.variant;
-  const KVParams& kv = p.kv;
-  const WorkItem& it = c.it;
-  // S = Q K^T (64 rows x 128 tokens), 16 head dims a product: panel k / 4, step k % 4 in it.
-  float s_acc[N / 2];
+  // S = Q K^T (64 rows x N tokens), 16 head dims a product: panel k / 4, step k % 4 in it.
   wgmma::fence();
 #pragma unroll
   for (int k = 0; k < D / 16; ++k) {
@@ -129,14 +129,28 @@ __device__ __forceinline__ void wgmma_attend_tile(const AttentionParams& p, cons
       wgmma::m64n32k16_ss(s_acc, q_desc, k_desc, k > 0, Elem{});
   }
   wgmma::commit();
-  wgmma::wait<0>();
+#endif
+}
 
+// S (completed) to P in place; the rows' m and l advance. corr: the factors O's accumulators of each of this
+// thread's two rows take before P V is added (the caller applies them: the overlapped form's O is still being
+// accumulated by the last tile's product meanwhile).
+// kRangesOnly: the caller knows there is no soft-cap, ALiBi or custom mask (the overlapped form, which the host
+// launches only then): the per-key path is not compiled in.
+template <class Tr, bool kRangesOnly = false>
+__device__ __forceinline__ void wgmma_softmax(const AttentionParams& p, const WgmmaItem& c,
+                                              WgmmaRows<Tr::kHeadDim>& st, float (&s_acc)[Tr::kTileTokens / 2],
+                                              int tile_start, float (&corr)[2]) {
+  constexpr int N = Tr::kTileTokens;
+  const VariantParams& vp = p.variant;
+  const KVParams& kv = p.kv;
+  const WorkItem& it = c.it;
   // Mask and online softmax, as prefill_kernel (one m tile: s_acc[4 n + e] is its s_acc[0][n][e]). Without soft-cap,
   // ALiBi or a custom mask the masks are the rows' KV ranges alone: a tile they cut (the causal diagonal, a window's
   // edge) gets -inf outside them and then the plain tile's code. That compact pass replaced the per-key
   // builtin_logit path there, which ran a masked tile 4.8x as long as a plain one (H200 trace at fd447de: 17,400
   // cycles against 3,600, a quarter of a short item's time), now left to the options that need it.
-  const bool ranges_only = !c.transform && !vp.custom_mask;
+  const bool ranges_only = kRangesOnly || (!c.transform && !vp.custom_mask);
   const bool plain = ranges_only && tile_start >= c.w_max_lo && tile_start + N <= c.w_min_hi;
   const float s_mul = ranges_only ? c.scale_log2 : 1.f;
   float tile_max[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY};
@@ -162,7 +176,7 @@ __device__ __forceinline__ void wgmma_attend_tile(const AttentionParams& p, cons
     for (int i = 0; i < N / 2; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s_acc[i]);
     tile_max[0] *= c.scale_log2;
     tile_max[1] *= c.scale_log2;
-  } else {
+  } else if constexpr (!kRangesOnly) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = c.warp_row0 + c.lane / 4 + 8 * h;
@@ -182,7 +196,7 @@ __device__ __forceinline__ void wgmma_attend_tile(const AttentionParams& p, cons
         }
     }
   }
-  float corr[2], m_sub[2];
+  float m_sub[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float m_new = fmaxf(st.m_run[h], warp_max_quad(tile_max[h]));
@@ -197,33 +211,64 @@ __device__ __forceinline__ void wgmma_attend_tile(const AttentionParams& p, cons
     s_acc[i] = pr;
     st.l_run[(i % 4) / 2] += pr;
   }
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) st.o_acc[i] *= corr[(i % 4) / 2];
+}
 
-  // O += P V, 16 tokens a product: P's k16 fragment kt is the accumulators of n8 blocks 2 kt and 2 kt + 1.
-  uint32_t p_frag[N / 16][4];
+// P's k16 fragment kt: the accumulators of n8 blocks 2 kt and 2 kt + 1, in Q's type.
+template <class Tr>
+__device__ __forceinline__ void wgmma_pack_p(const float (&s_acc)[Tr::kTileTokens / 2],
+                                             uint32_t (&p_frag)[Tr::kTileTokens / 16][4]) {
+  using Elem = typename Tr::Elem;
 #pragma unroll
-  for (int kt = 0; kt < N / 16; ++kt) {
+  for (int kt = 0; kt < Tr::kTileTokens / 16; ++kt) {
     p_frag[kt][0] = pack2(s_acc[8 * kt + 0], s_acc[8 * kt + 1], Elem{});
     p_frag[kt][1] = pack2(s_acc[8 * kt + 2], s_acc[8 * kt + 3], Elem{});
     p_frag[kt][2] = pack2(s_acc[8 * kt + 4], s_acc[8 * kt + 5], Elem{});
     p_frag[kt][3] = pack2(s_acc[8 * kt + 6], s_acc[8 * kt + 7], Elem{});
   }
+}
+
+// O += P V, 16 tokens a product, issued and committed.
+template <class Tr>
+__device__ __forceinline__ void wgmma_issue_pv(float (&o_acc)[Tr::kHeadDim / 2],
+                                               const uint32_t (&p_frag)[Tr::kTileTokens / 16][4], uint32_t v_addr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Elem = typename Tr::Elem;
+  constexpr int D = Tr::kHeadDim, N = Tr::kTileTokens;
   wgmma::fence();
 #pragma unroll
   for (int kt = 0; kt < N / 16; ++kt) {
     const uint64_t v_desc = wgmma::mn_major(v_addr, kt, N * 128);
     if constexpr (D == 256) {  // two products of 128 dims (panels 0-1, 2-3)
-      wgmma::m64n128k16_rs_tb(st.o_acc, p_frag[kt], v_desc, true, Elem{});
-      wgmma::m64n128k16_rs_tb(st.o_acc + 64, p_frag[kt], wgmma::mn_major(v_addr + 2 * N * 128, kt, N * 128), true,
+      wgmma::m64n128k16_rs_tb(o_acc, p_frag[kt], v_desc, true, Elem{});
+      wgmma::m64n128k16_rs_tb(o_acc + 64, p_frag[kt], wgmma::mn_major(v_addr + 2 * N * 128, kt, N * 128), true,
                               Elem{});
     } else if constexpr (D == 128) {
-      wgmma::m64n128k16_rs_tb(st.o_acc, p_frag[kt], v_desc, true, Elem{});
+      wgmma::m64n128k16_rs_tb(o_acc, p_frag[kt], v_desc, true, Elem{});
     } else {
-      wgmma::m64n64k16_rs_tb(st.o_acc, p_frag[kt], v_desc, true, Elem{});
+      wgmma::m64n64k16_rs_tb(o_acc, p_frag[kt], v_desc, true, Elem{});
     }
   }
   wgmma::commit();
+#endif
+}
+
+// One K/V tile, its phases in order; returns when both products have completed.
+template <class Tr>
+__device__ __forceinline__ void wgmma_attend_tile(const AttentionParams& p, const WgmmaItem& c,
+                                                  WgmmaRows<Tr::kHeadDim>& st, uint32_t q_addr, uint32_t k_addr,
+                                                  uint32_t v_addr, int tile_start) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int N = Tr::kTileTokens;
+  float s_acc[N / 2];
+  wgmma_issue_s<Tr>(s_acc, q_addr, k_addr);
+  wgmma::wait<0>();
+  float corr[2];
+  wgmma_softmax<Tr>(p, c, st, s_acc, tile_start, corr);
+#pragma unroll
+  for (int i = 0; i < Tr::kHeadDim / 2; ++i) st.o_acc[i] *= corr[(i % 4) / 2];
+  uint32_t p_frag[N / 16][4];
+  wgmma_pack_p<Tr>(s_acc, p_frag);
+  wgmma_issue_pv<Tr>(st.o_acc, p_frag, v_addr);
   wgmma::wait<0>();
 #endif
 }
@@ -615,13 +660,15 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
 template <class Tr>
 __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionParams& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(Tr::kForm == WgmmaForm::kPipelined, "three warpgroups");
+  static_assert(Tr::kForm == WgmmaForm::kPipelined || Tr::kForm == WgmmaForm::kOverlapped, "persistent forms");
+  constexpr bool kOverlap = Tr::kForm == WgmmaForm::kOverlapped;
   constexpr int D = Tr::kHeadDim, N = Tr::kTileTokens, S = Tr::kStages;
   extern __shared__ uint8_t smem_raw[];
   __shared__ int2 s_range[2][4];          // copier: its warps' KV range, by item parity
   __shared__ int4 s_wg_bounds[2][2][4];   // computing warpgroup, parity, warp: own rows' [lo, hi), all rows' [lo, hi)
   __shared__ longlong2 s_offsets[S * N];  // the K/V byte offsets of the rows of tiles in flight (fetch_offsets)
-  __shared__ alignas(8) uint64_t full[S], empty[S];
+  // full / empty: a stage's K and V (kOverlap: its K; full_v / empty_v its V).
+  __shared__ alignas(8) uint64_t full[S], empty[S], full_v[kOverlap ? S : 1], empty_v[kOverlap ? S : 1];
   uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
   uint8_t* sQ = smem;
   uint8_t* sK = sQ + Tr::kQBytes;
@@ -638,7 +685,10 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
 
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int s = 0; s < S; ++s) mbar::init(&full[s], 128), mbar::init(&empty[s], 2 * 128);
+    for (int s = 0; s < S; ++s) {
+      mbar::init(&full[s], 128), mbar::init(&empty[s], 2 * 128);
+      if constexpr (kOverlap) mbar::init(&full_v[s], 128), mbar::init(&empty_v[s], 2 * 128);
+    }
   }
   __syncthreads();  // the only CTA barrier
   uint32_t count = 0;  // tiles through the stages so far: stage count % S, phase (count / S) & 1
@@ -682,8 +732,16 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         if (count >= S) mbar::wait(&empty[s], ((count / S) & 1) ^ 1);  // the consumers read this stage's last tile
         ATTNFORGE_TRACE(tr_now = clock64(); tr_empty += tr_now - tr_t; tr_t = tr_now;)
         mbar::named_sync(1, 128);
-        loader.load_offsets(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes, s_offsets);
-        mbar::arrive_on_copies(&full[s]);
+        if constexpr (kOverlap) {  // K as soon as the stage's last K is free, then V likewise
+          loader.template load_offsets<true, false>(t, sK + s * Tr::kStageBytes, nullptr, s_offsets);
+          mbar::arrive_on_copies(&full[s]);
+          if (count >= S) mbar::wait(&empty_v[s], ((count / S) & 1) ^ 1);
+          loader.template load_offsets<false, true>(t, nullptr, sV + s * Tr::kStageBytes, s_offsets);
+          mbar::arrive_on_copies(&full_v[s]);
+        } else {
+          loader.load_offsets(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes, s_offsets);
+          mbar::arrive_on_copies(&full[s]);
+        }
         ATTNFORGE_TRACE(tr_now = clock64(); tr_load += tr_now - tr_t; tr_t = tr_now;)
       }
     }
@@ -756,8 +814,77 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       WgmmaRows<D> st;
       wgmma_reset_rows(st);
       ATTNFORGE_TRACE(tr_now = clock64(); tr_setup += tr_now - tr_t; tr_t = tr_now; tr_tiles += num_tiles;)
+      if constexpr (kOverlap) {
+        // The tiles some row of this warpgroup sees are a run [t_lo, t_hi); the others are waited for and released
+        // unread, in order. Within the run, tile t's S = Q K^T is issued with tile t - 1's O += P V and its softmax
+        // runs while that product does: the first tile of the run has no P V before it and the last one's P V
+        // follows the loop, so the loop itself issues both products unconditionally (ptxas serializes products
+        // around a branch that may or may not have issued one).
+        const int t_lo = min(num_tiles, max(0, (g_lo - range_lo) / N));
+        const int t_hi = g_hi > g_lo ? max(t_lo, min(num_tiles, (g_hi - range_lo + N - 1) / N)) : t_lo;
+        auto skip = [&](uint32_t cnt) {
+          const int s = cnt % S;
+          const uint32_t phase = (cnt / S) & 1;
+          mbar::wait(&full[s], phase);
+          mbar::arrive(&empty[s]);
+          mbar::wait(&full_v[s], phase);
+          mbar::arrive(&empty_v[s]);
+        };
 #pragma unroll 1
-      for (int t = 0; t < num_tiles; ++t, ++count) {
+        for (int t = 0; t < t_lo; ++t) skip(count++);
+        if (t_lo < t_hi) {
+          // Loop-carried: s_acc holds the last tile's P (fp32) and corr its factors for O, until the top of the next
+          // iteration packs them, after the wait for the P V before it. That wait opens the iteration (its own basic
+          // block), so ptxas cannot hoist it above the softmax, as it did with the wait at the softmax's end.
+          uint32_t p_frag[N / 16][4];
+          float s_acc[N / 2], corr[2];
+          int s = count % S, pv_stage = 0;
+          uint32_t phase = (count / S) & 1;
+          mbar::wait(&full[s], phase);
+          ATTNFORGE_TRACE(tr_now = clock64(); tr_first += tr_now - tr_t; tr_t = tr_now;)
+          wgmma::fence_operands();  // the copier's copies, seen through the barrier, before the tensor cores read
+          wgmma_issue_s<Tr>(s_acc, q_addr, smem_address(sK + s * Tr::kStageBytes));
+          wgmma::wait<0>();
+          mbar::arrive(&empty[s]);
+          wgmma_softmax<Tr, true>(p, c, st, s_acc, range_lo + t_lo * N, corr);
+          ++count;
+#pragma unroll 1
+          for (int t = t_lo + 1; t < t_hi; ++t, ++count) {
+            wgmma::wait<0>();  // the P V issued one iteration ago (none before the first)
+            if (t > t_lo + 1) mbar::arrive(&empty_v[pv_stage]);
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) st.o_acc[i] *= corr[(i % 4) / 2];
+            wgmma_pack_p<Tr>(s_acc, p_frag);
+            pv_stage = s;  // the last tile's V
+            const uint32_t pv_phase = phase;
+            s = count % S, phase = (count / S) & 1;
+            mbar::wait(&full[s], phase);
+            mbar::wait(&full_v[pv_stage], pv_phase);
+            ATTNFORGE_TRACE(tr_now = clock64(); tr_wait += tr_now - tr_t; tr_t = tr_now;)
+            wgmma::fence_operands();
+            wgmma_issue_s<Tr>(s_acc, q_addr, smem_address(sK + s * Tr::kStageBytes));
+            wgmma_issue_pv<Tr>(st.o_acc, p_frag, smem_address(sV + pv_stage * Tr::kStageBytes));
+            wgmma::wait<1>();  // S done; the last tile's P V runs on through the softmax
+            mbar::arrive(&empty[s]);
+            wgmma_softmax<Tr, true>(p, c, st, s_acc, range_lo + t * N, corr);
+            ATTNFORGE_TRACE(tr_now = clock64(); tr_plain += tr_now - tr_t; tr_t = tr_now;)
+          }
+          wgmma::wait<0>();
+          if (t_hi > t_lo + 1) mbar::arrive(&empty_v[pv_stage]);
+#pragma unroll
+          for (int i = 0; i < D / 2; ++i) st.o_acc[i] *= corr[(i % 4) / 2];
+          wgmma_pack_p<Tr>(s_acc, p_frag);
+          mbar::wait(&full_v[s], phase);
+          wgmma::fence_operands();
+          wgmma_issue_pv<Tr>(st.o_acc, p_frag, smem_address(sV + s * Tr::kStageBytes));
+          wgmma::wait<0>();
+          mbar::arrive(&empty_v[s]);
+        }
+#pragma unroll 1
+        for (int t = t_hi; t < num_tiles; ++t) skip(count++);
+      }
+#pragma unroll 1
+      for (int t = 0; !kOverlap && t < num_tiles; ++t, ++count) {
         const int s = count % S;
         mbar::wait(&full[s], (count / S) & 1);
         ATTNFORGE_TRACE(tr_now = clock64(); (t == 0 ? tr_first : tr_wait) += tr_now - tr_t; tr_t = tr_now;)
@@ -792,7 +919,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
 // sm_90a only (the host launches it on compute capability 9.0 alone); other targets compile an empty body.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_wgmma_kernel(const AttentionParams p) {
-  if constexpr (Tr::kForm == WgmmaForm::kPipelined)
+  if constexpr (Tr::kForm == WgmmaForm::kPipelined || Tr::kForm == WgmmaForm::kOverlapped)
     prefill_wgmma_pipelined_body<Tr>(p);
   else if constexpr (Tr::kForm == WgmmaForm::kWarpSpecialized)
     prefill_wgmma_ws_body<Tr>(p);
