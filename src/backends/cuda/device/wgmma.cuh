@@ -52,19 +52,6 @@ __host__ __device__ __forceinline__ uint64_t mn_major(uint32_t panel_addr, int k
 __device__ __forceinline__ void fence_operands() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Before the first wgmma that reads or writes registers the warpgroup changed since its last wgmma.
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-// Keeps registers a product still reads or writes (its A fragment, its accumulators) alive and in place until
-// here: without it the compiler may reuse a fragment's registers once the asm that issued the product is behind it,
-// and ptxas then waits for the product first.
-template <int kCount>
-__device__ __forceinline__ void pin(uint32_t (&r)[kCount]) {
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) asm volatile("" : "+r"(r[i])::"memory");
-}
-template <int kCount>
-__device__ __forceinline__ void pin(float (&r)[kCount]) {
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Waits until at most N committed groups are pending.
 template <int N>
