@@ -670,7 +670,10 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   extern __shared__ uint8_t smem_raw[];
   __shared__ int2 s_range[2][4];          // copier: its warps' KV range, by item parity
   __shared__ int4 s_wg_bounds[2][2][4];   // computing warpgroup, parity, warp: own rows' [lo, hi), all rows' [lo, hi)
-  __shared__ longlong2 s_offsets[S * N];  // the K/V byte offsets of the rows of tiles in flight (fetch_offsets)
+  // The K/V byte offsets of the rows of tiles in flight (fetch_offsets): one slot a stage, one more with kOverlap,
+  // whose copier loads a tile's V one tile after its K.
+  constexpr int kSlots = kOverlap ? S + 1 : S;
+  __shared__ longlong2 s_offsets[kSlots * N];
   // full / empty: a stage's K and V (kOverlap: its K; full_v / empty_v its V).
   __shared__ alignas(8) uint64_t full[S], empty[S], full_v[kOverlap ? S : 1], empty_v[kOverlap ? S : 1];
   uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
@@ -726,8 +729,14 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       }
       parity ^= 1;
       const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
-      KVTileLoader<D, N, 128, S, 2, true> loader(kv, m.b, kv_head, range_lo, range_hi);
+      KVTileLoader<D, N, 128, kSlots, 2, true> loader(kv, m.b, kv_head, range_lo, range_hi);
       ATTNFORGE_TRACE(long long tr_now = clock64(); tr_range += tr_now - tr_t; tr_t = tr_now; tr_tiles += num_tiles;)
+      // kOverlap: tile t's V (stage s, use `use`) once the computing warpgroups' P V of the stage's last tile is done.
+      auto load_v = [&](int t, int s, uint32_t use) {
+        if (use > 0) mbar::wait(&empty_v[s], (use & 1) ^ 1);
+        loader.template load_offsets<false, true>(t, nullptr, sV + s * Tr::kStageBytes, s_offsets);
+        mbar::arrive_on_copies(&full_v[s]);
+      };
 #pragma unroll 1
       for (int t = 0; t < num_tiles; ++t, ++count) {
         const int s = count % S;
@@ -736,18 +745,20 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         if (count >= S) mbar::wait(&empty[s], ((count / S) & 1) ^ 1);  // the consumers read this stage's last tile
         ATTNFORGE_TRACE(tr_now = clock64(); tr_empty += tr_now - tr_t; tr_t = tr_now;)
         mbar::named_sync(1, 128);
-        if constexpr (kOverlap) {  // K as soon as the stage's last K is free, then V likewise
+        if constexpr (kOverlap) {
+          // K one tile ahead of V: tile t's K as soon as its stage's last K has been read (its S done), then tile
+          // t - 1's V, whose stage frees only when the P V before it completes, an iteration later.
           loader.template load_offsets<true, false>(t, sK + s * Tr::kStageBytes, nullptr, s_offsets);
           mbar::arrive_on_copies(&full[s]);
-          if (count >= S) mbar::wait(&empty_v[s], ((count / S) & 1) ^ 1);
-          loader.template load_offsets<false, true>(t, nullptr, sV + s * Tr::kStageBytes, s_offsets);
-          mbar::arrive_on_copies(&full_v[s]);
+          if (t > 0) load_v(t - 1, (count - 1) % S, (count - 1) / S);
         } else {
           loader.load_offsets(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes, s_offsets);
           mbar::arrive_on_copies(&full[s]);
         }
         ATTNFORGE_TRACE(tr_now = clock64(); tr_load += tr_now - tr_t; tr_t = tr_now;)
       }
+      if constexpr (kOverlap)
+        if (num_tiles > 0) load_v(num_tiles - 1, (count - 1) % S, (count - 1) / S);
     }
     ATTNFORGE_TRACE(if (threadIdx.x == 0 && blockIdx.z == 0 && blockIdx.x < kTraceCtas) {
       long long* o = wgmma_trace[blockIdx.x][0];  // the order run_prefill prints
