@@ -359,6 +359,25 @@ struct KVTileLoader {
     const uint8_t* v = static_cast<const uint8_t*>(kv.v) + chunk * 16;
     const longlong2* tile = offsets + (t % kPageSlots) * kTileTokens;
     const int valid_rows = last - first - t * kTileTokens;
+    if constexpr (kPanels && kRowGroups % 8 == 0) {
+      // This thread's rows r0 + i kRowGroups share r0 % 8, so in the panels a row's destination is the first one's
+      // plus 128 i kRowGroups bytes (an immediate once unrolled), and its offsets slot the first one's plus
+      // i kRowGroups: a row costs a shared load, a 64-bit add and its copies. (At the copier's 24 registers ptxas
+      // otherwise rebuilt the swizzle from threadIdx for every row.)
+      const int r0 = threadIdx.x / kChunks;
+      const longlong2* slot = tile + r0;
+      const int dst0 = panel_bytes<kTileTokens>(r0, chunk), valid = valid_rows - r0;
+      uint8_t* dk = static_cast<uint8_t*>(sK) + dst0;
+      uint8_t* dv = static_cast<uint8_t*>(sV) + dst0;
+      #pragma unroll 4
+      for (int i = 0; i < kLoadRows; ++i) {
+        const longlong2 o = slot[i * kRowGroups];
+        const int bytes = i * kRowGroups < valid ? 16 : 0;
+        if constexpr (kK) cp_async_16(dk + i * kRowGroups * 128, k + o.x, bytes);
+        if constexpr (kV) cp_async_16(dv + i * kRowGroups * 128, v + o.y, bytes);
+      }
+      return;
+    }
     #pragma unroll 4
     for (int i = 0; i < kLoadRows; ++i) {
       const int r = row(i);
