@@ -212,18 +212,19 @@ int prefill_ctas_per_sm(int head_dim, int rows) {
 }
 
 #if defined(ATTNFORGE_WGMMA_TRACE) && ATTNFORGE_WGMMA_TRACE
-// Trace builds only (prefill_wgmma.cuh): waits for the launch and prints the pipelined form's clock counters of
-// every persistent CTA, one line per side, for scripts/wgmma_trace.py.
+// Trace builds only (prefill_wgmma.cuh): waits for the launch and prints the warp-specialized forms' clock counters
+// of every slot (a persistent CTA, or the CTAs sharing it), one line per side, for scripts/wgmma_trace.py.
 void print_wgmma_trace(cudaStream_t stream) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   ATTNFORGE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-  if (capturing != cudaStreamCaptureStatusNone || prefill_wgmma_form() < 2) return;
+  if (capturing != cudaStreamCaptureStatusNone) return;
   static long long h[kTraceCtas][3][kTraceFields];
   ATTNFORGE_CUDA_CHECK(cudaStreamSynchronize(stream));
   ATTNFORGE_CUDA_CHECK(cudaMemcpyFromSymbol(h, wgmma_trace, sizeof h));
   static const long long zero[kTraceCtas][3][kTraceFields] = {};
   ATTNFORGE_CUDA_CHECK(cudaMemcpyToSymbol(wgmma_trace, zero, sizeof zero));
-  for (int cta = 0; cta < std::min(kTraceCtas, sm_count()); ++cta) {
+  for (int cta = 0; cta < kTraceCtas; ++cta) {
+    if (h[cta][0][0] == 0 && h[cta][1][0] == 0 && h[cta][2][0] == 0) continue;  // a slot no CTA used
     const long long* o = h[cta][0];
     std::printf("wgmma-trace copier cta %d items %lld tiles %lld total %lld range %lld fetch %lld empty %lld load %lld\n",
                 cta, o[0], o[1], o[2], o[3], o[4], o[5], o[6]);
@@ -241,7 +242,7 @@ void run_prefill(const AttentionParams& p, cudaStream_t stream) {
   const LaunchConfig c = prefill_launch_config(p, prefill_tile_tokens(p.head_dim_qk), prefill_plan_rows(p));
   if (launch_prefill_wgmma(p, c.attention, stream)) {
 #if defined(ATTNFORGE_WGMMA_TRACE) && ATTNFORGE_WGMMA_TRACE
-    if (p.head_dim_qk != 256) print_wgmma_trace(stream);
+    if (p.head_dim_qk == 256 || prefill_wgmma_form() >= 1) print_wgmma_trace(stream);  // not the barrier form
 #endif
     return run_merge(p, stream);
   }

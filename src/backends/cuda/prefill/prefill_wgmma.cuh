@@ -28,7 +28,16 @@ namespace attnforge::cuda {
 #if defined(ATTNFORGE_WGMMA_TRACE) && ATTNFORGE_WGMMA_TRACE
 #define ATTNFORGE_TRACE(...) __VA_ARGS__
 constexpr int kTraceCtas = 1024, kTraceFields = 12;
-static __device__ long long wgmma_trace[kTraceCtas][3][kTraceFields];  // [CTA][copier, computing 0, 1][field]
+static __device__ long long wgmma_trace[kTraceCtas][3][kTraceFields];  // [slot][copier, computing 0, 1][field]
+// Adds one side's counters (the order run_prefill prints) to the slot of this CTA (persistent forms: its index;
+// the warp-specialized form's many CTAs share slots modulo kTraceCtas).
+template <int kCount>
+__device__ __forceinline__ void trace_add(int role, const long long (&v)[kCount]) {
+  if (blockIdx.z != 0) return;
+  long long* o = wgmma_trace[(blockIdx.x + blockIdx.y * gridDim.x) % kTraceCtas][role];
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) atomicAdd(reinterpret_cast<unsigned long long*>(o + i), v[i]);
+}
 #else
 #define ATTNFORGE_TRACE(...)
 #endif
@@ -555,11 +564,15 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
 
   if (producer) {
     mbar::shrink_registers<Tr::kProducerRegs>();
+    ATTNFORGE_TRACE(long long tr_range = 0, tr_fetch = 0, tr_empty = 0, tr_load = 0, tr_items = 0, tr_tiles = 0;
+                    const long long tr_begin = clock64(); long long tr_t = tr_begin, tr_now = 0;)
     for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
+      ATTNFORGE_TRACE(tr_t = clock64(); ++tr_items;)
       Item m;
       if (!begin_item(index, m)) continue;
       int range_lo, range_hi, g_lo, g_hi;
       const int num_tiles = kv_ranges(m.it, range_lo, range_hi, g_lo, g_hi);
+      ATTNFORGE_TRACE(tr_now = clock64(); tr_range += tr_now - tr_t; tr_t = tr_now; tr_tiles += num_tiles;)
       // A tile's row offsets into a shared slot, a producer-only barrier (id 1), then its copies into the stage.
       KVTileLoader<D, N, 128, S, 2, true> loader(kv, m.b, kv_head, range_lo, range_hi);
 #pragma unroll 1
@@ -568,21 +581,30 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
         const int s = queues.stage(q);
         const uint32_t use = queues.use(q);
         loader.fetch_offsets(t, s_offsets);
+        ATTNFORGE_TRACE(tr_now = clock64(); tr_fetch += tr_now - tr_t; tr_t = tr_now;)
         if (use > 0) mbar::wait(&empty[s], (use & 1) ^ 1);  // the consumers read this stage's last tile
+        ATTNFORGE_TRACE(tr_now = clock64(); tr_empty += tr_now - tr_t; tr_t = tr_now;)
         mbar::named_sync(1, 128);
         loader.load_offsets(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes, s_offsets);
         mbar::arrive_on_copies(&full[s]);
         queues.advance(q);
+        ATTNFORGE_TRACE(tr_now = clock64(); tr_load += tr_now - tr_t; tr_t = tr_now;)
       }
       mbar::named_sync(3, Tr::kThreads);  // shared memory (Q, stages, bounds, page ids) is reused by the next item
     }
+    ATTNFORGE_TRACE(if (threadIdx.x == 0) trace_add(0, {tr_items, tr_tiles, clock64() - tr_begin, tr_range, tr_fetch,
+                                                        tr_empty, tr_load});)
     grid_launch_dependents();
   } else {
     mbar::grow_registers<Tr::kConsumerRegs>();
     // Warpgroup cwg's rows are 64 cwg .. 64 cwg + 63 (with kSplitTiles both hold rows 0 .. 63), warp w's 16 of them.
     const int warp_row0 = 16 * (Tr::kSplitTiles ? (warp - 4) & 3 : warp - 4);
     const uint32_t q_addr = smem_address(sQ) + (Tr::kSplitTiles ? 0 : 64 * cwg * 128);  // its rows of each Q panel
+    ATTNFORGE_TRACE(long long tr_setup = 0, tr_first = 0, tr_wait = 0, tr_plain = 0, tr_masked = 0, tr_store = 0,
+                    tr_items = 0, tr_tiles = 0, tr_masked_tiles = 0;
+                    const long long tr_begin = clock64(); long long tr_t = tr_begin, tr_now = 0;)
     for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
+      ATTNFORGE_TRACE(tr_t = clock64(); ++tr_items;)
       Item m;
       if (!begin_item(index, m)) continue;
       const WorkItem& it = m.it;
@@ -594,10 +616,13 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
                         warp_row0, lane, w_max_lo, w_min_hi, scale_log2, transform};
       WgmmaRows<D> st;
       wgmma_reset_rows(st);
+      ATTNFORGE_TRACE(tr_now = clock64(); tr_setup += tr_now - tr_t; tr_t = tr_now; tr_tiles += num_tiles;)
 #pragma unroll 1
       for (int t = Tr::kSplitTiles ? cwg : 0; t < num_tiles; t += Tr::kSplitTiles ? 2 : 1) {
         const int s = queues.stage(cwg);
         mbar::wait(&full[s], queues.use(cwg) & 1);
+        ATTNFORGE_TRACE(tr_now = clock64(); (t == (Tr::kSplitTiles ? cwg : 0) ? tr_first : tr_wait) += tr_now - tr_t;
+                        tr_t = tr_now;)
         queues.advance(cwg);
         wgmma::fence_operands();  // the producer's copies, seen through the barrier, before the tensor cores read
         const int tile_start = range_lo + t * N;
@@ -605,6 +630,11 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
           wgmma_attend_tile<Tr>(p, c, st, q_addr, smem_address(sK + s * Tr::kStageBytes),
                                 smem_address(sV + s * Tr::kStageBytes), tile_start);
         mbar::arrive(&empty[s]);
+        ATTNFORGE_TRACE(tr_now = clock64();
+                        const bool tr_is_plain = !transform && !vp.custom_mask && range_lo + t * N >= w_max_lo &&
+                                                 range_lo + t * N + N <= w_min_hi;
+                        (tr_is_plain ? tr_plain : tr_masked) += tr_now - tr_t; tr_masked_tiles += !tr_is_plain;
+                        tr_t = tr_now;)
       }
       if (index + gridDim.x >= num_items) grid_launch_dependents();  // this CTA's last item
       if constexpr (Tr::kSplitTiles) {
@@ -649,7 +679,11 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
         wgmma_store_rows<D>(p, c, st);
       }
       mbar::named_sync(3, Tr::kThreads);
+      ATTNFORGE_TRACE(tr_now = clock64(); tr_store += tr_now - tr_t; tr_t = tr_now;)  // the merge with the store
     }
+    ATTNFORGE_TRACE(if ((threadIdx.x & 127) == 0) trace_add(1 + cwg, {tr_items, tr_tiles, clock64() - tr_begin,
+                                                                      tr_masked_tiles, tr_setup, tr_first, tr_wait,
+                                                                      tr_plain, tr_masked, tr_store});)
   }
 #endif
 }
@@ -760,11 +794,8 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       if constexpr (kOverlap)
         if (num_tiles > 0) load_v(num_tiles - 1, (count - 1) % S, (count - 1) / S);
     }
-    ATTNFORGE_TRACE(if (threadIdx.x == 0 && blockIdx.z == 0 && blockIdx.x < kTraceCtas) {
-      long long* o = wgmma_trace[blockIdx.x][0];  // the order run_prefill prints
-      o[0] = tr_items, o[1] = tr_tiles, o[2] = clock64() - tr_begin, o[3] = tr_range, o[4] = tr_fetch;
-      o[5] = tr_empty, o[6] = tr_load;
-    })
+    ATTNFORGE_TRACE(if (threadIdx.x == 0) trace_add(0, {tr_items, tr_tiles, clock64() - tr_begin, tr_range, tr_fetch,
+                                                        tr_empty, tr_load});)
     grid_launch_dependents();
   } else {
     mbar::grow_registers<Tr::kConsumerRegs>();
@@ -941,11 +972,9 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         wgmma_store_rows<D>(p, c, st);
       ATTNFORGE_TRACE(tr_now = clock64(); tr_store += tr_now - tr_t; tr_t = tr_now;)
     }
-    ATTNFORGE_TRACE(if ((threadIdx.x & 127) == 0 && blockIdx.z == 0 && blockIdx.x < kTraceCtas) {
-      long long* o = wgmma_trace[blockIdx.x][1 + cwg];  // the order run_prefill prints
-      o[0] = tr_items, o[1] = tr_tiles, o[2] = clock64() - tr_begin, o[3] = tr_masked_tiles, o[4] = tr_setup;
-      o[5] = tr_first, o[6] = tr_wait, o[7] = tr_plain, o[8] = tr_masked, o[9] = tr_store;
-    })
+    ATTNFORGE_TRACE(if ((threadIdx.x & 127) == 0) trace_add(1 + cwg, {tr_items, tr_tiles, clock64() - tr_begin,
+                                                                      tr_masked_tiles, tr_setup, tr_first, tr_wait,
+                                                                      tr_plain, tr_masked, tr_store});)
   }
 #endif
 }
