@@ -351,8 +351,12 @@ TEST(CudaPrefillShortTiles, SpeculativeVerificationBatches) {
 
 // PlanOptions::tile_rows picks the kernel whatever the batch: the head dim's 128-row tile for short queries, the
 // 64-row tile for long ones (its query tiles are then cut at 64 rows); other values are refused, naming the set.
+// Head_dim 256 has the 128-row tile where the Hopper kernel serves it (prefill_tile_rows).
 TEST(CudaPrefillShortTiles, TileRowsOption) {
-  for (int32_t d : {64, 128})
+  const bool d256_tiles = cuda::prefill_tile_rows(256) == 128;
+  std::vector<int32_t> dims = {64, 128};
+  if (d256_tiles) dims.push_back(256);
+  for (int32_t d : dims)
     for (int32_t rows : {64, 128})
       for (bool long_queries : {false, true}) {
         CaseSpec s;
@@ -375,18 +379,19 @@ TEST(CudaPrefillShortTiles, TileRowsOption) {
   s.kind = PlanKind::kPrefill;
   s.num_kv_heads = 2, s.num_qo_heads = 8, s.head_dim_qk = 256;
   s.qo_lens = {5}, s.kv_lens = {50};
-  s.plan.tile_rows = 128;  // head_dim 256 has only the 64-row tile
+  s.plan.tile_rows = d256_tiles ? 96 : 128;  // without the Hopper kernel head_dim 256 has only the 64-row tile
   Case c = make_case(s);
   BatchPlanArgs args = c.plan_args();
   args.device = Device::cuda(0);
+  const std::string expected = d256_tiles ? "options.tile_rows: 96; expected 0 (the backend's choice) or one of "
+                                            "{64, 128} for head_dim 256"
+                                          : "options.tile_rows: 128; expected 0 (the backend's choice) or one of {64} "
+                                            "for head_dim 256";
   try {
     plan_batch_prefill(args);
-    ADD_FAILURE() << "tile_rows 128 at head_dim 256 was accepted";
+    ADD_FAILURE() << "tile_rows " << s.plan.tile_rows << " at head_dim 256 was accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("options.tile_rows: 128; expected 0 (the backend's choice) or one of {64} "
-                                         "for head_dim 256"),
-              std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
   }
 }
 
@@ -568,14 +573,17 @@ TEST(CudaWgmma, PrefillKernelSelectionFollowsTheSetting) {
     cuda::set_prefill_wgmma(mode);
     EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(64, 128));
     EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(128, 128));
-    EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(256, 64));  // head_dim 256's tile is 64 rows
+    EXPECT_EQ(sm90, cuda::prefill_wgmma_serves(256, 128));  // the portable kernel runs those in two row blocks
+    EXPECT_EQ(sm90 ? 128 : 64, cuda::prefill_tile_rows(256));
+    EXPECT_EQ(128, cuda::prefill_tile_rows(128));
     EXPECT_FALSE(cuda::prefill_wgmma_serves(128, 64));
     EXPECT_FALSE(cuda::prefill_wgmma_serves(64, 64));
-    EXPECT_FALSE(cuda::prefill_wgmma_serves(256, 128));
+    EXPECT_FALSE(cuda::prefill_wgmma_serves(256, 64));
     EXPECT_FALSE(cuda::prefill_wgmma_serves(96, 128));
   }
   cuda::set_prefill_wgmma(cuda::PrefillWgmma::kOff);
   EXPECT_FALSE(cuda::prefill_wgmma_serves(128, 128));
+  EXPECT_EQ(64, cuda::prefill_tile_rows(256));
   // Plans of 128-row tiles the Hopper kernel takes are balanced over its one CTA per SM.
   if (sm90) {
     const int portable = cuda::prefill_ctas_per_sm(128, 128);

@@ -609,11 +609,9 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
   const std::string prefill_kernels = fmt::format(
       "ATTNFORGE_PREFILL_WGMMA={}: {}", wgmma_mode[static_cast<int>(cuda::prefill_wgmma())],
       cuda::prefill_wgmma_serves(128, 128)
-          ? fmt::format("Hopper wgmma kernel{} for 128-row tiles of head_dim 128{}{} without RoPE, portable otherwise",
-                        wgmma_form[cuda::prefill_wgmma_form()],
-                        cuda::prefill_wgmma_serves(64, 128) ? " and 64" : "",
-                        cuda::prefill_wgmma_serves(256, 64) ? " and 64-row tiles of head_dim 256 (warp-specialized)"
-                                                            : "")
+          ? fmt::format("Hopper wgmma kernel{} for 128-row tiles of head_dim 64, 128 and 256 without RoPE, portable "
+                        "otherwise",
+                        wgmma_form[cuda::prefill_wgmma_form()])
           : std::string("portable mma.sync kernel"));
   fmt::print("attnforge bench, suite {}-gpu: {}\n", options.suite, build_info());
   fmt::print("device {}: {}\n", dev, device.description);

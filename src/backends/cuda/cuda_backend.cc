@@ -133,18 +133,19 @@ class CudaBackend final : public Backend {
       return sms_ * jit_kernels().ctas_per_sm(s, kind);
     }
     if (kind == PlanKind::kPrefill)
-      return sms_ * cuda::prefill_ctas_per_sm(s.head_dim_qk, cuda::prefill_cta_rows(s.head_dim_qk, tile_rows));
+      return sms_ * cuda::prefill_ctas_per_sm(s.head_dim_qk, tile_rows);
     return sms_ * cuda::decode_ctas_per_sm(s.head_dim_qk, s.kv_dtype);
   }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).
   // The short tile (64 rows) when the batch's requests pack at most that many rows on average, else the head dim's
-  // (128 up to head_dim 128); run() launches the kernel of the plan's tile_rows (prefill_plan_rows).
+  // (prefill_tile_rows: 128 up to head_dim 128, and at 256 where the Hopper kernel serves it); run() launches the
+  // kernel of the plan's tile_rows.
   int32_t target_tile_rows(const AttentionShape& shape, double avg_packed_rows) const override {
-    const int32_t rows = cuda::prefill_rows(normalized(shape).head_dim_qk);
+    const int32_t rows = cuda::prefill_tile_rows(normalized(shape).head_dim_qk);
     return avg_packed_rows <= cuda::kPrefillShortRows ? std::min(rows, cuda::kPrefillShortRows) : rows;
   }
   std::vector<int32_t> tile_rows_choices(const AttentionShape& shape) const override {
-    const int32_t rows = cuda::prefill_rows(normalized(shape).head_dim_qk);
+    const int32_t rows = cuda::prefill_tile_rows(normalized(shape).head_dim_qk);
     if (rows <= cuda::kPrefillShortRows) return {rows};
     return {cuda::kPrefillShortRows, rows};
   }

@@ -91,14 +91,29 @@ int configure_wgmma() {
   return configured.get([] { return configure_kernel(prefill_wgmma_kernel<Tr>, Tr::kThreads, Tr::kSmemBytes); });
 }
 
+// Head_dim 256 has neither the barrier form (the warp-specialized one runs instead) nor the overlapped one (the
+// pipelined one): with O at 128 registers a thread, holding S and the last tile's P besides made ptxas spill in the
+// tile loop and serialize the products.
+template <int D>
+WgmmaForm form_at(WgmmaForm form) {
+  if (D != 256) return form;
+  return form == WgmmaForm::kBarrier ? WgmmaForm::kWarpSpecialized
+         : form == WgmmaForm::kOverlapped ? WgmmaForm::kPipelined
+                                          : form;
+}
+
 template <int D>
 int configure_wgmma_form(WgmmaForm form) {
-  switch (form) {
-    case WgmmaForm::kBarrier: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kBarrier>>();
+  switch (form_at<D>(form)) {
+    case WgmmaForm::kBarrier:
+      if constexpr (D != 256) return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kBarrier>>();
+      [[fallthrough]];
     case WgmmaForm::kWarpSpecialized:
       return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kWarpSpecialized>>();
-    case WgmmaForm::kPipelined: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kPipelined>>();
-    default: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kOverlapped>>();
+    case WgmmaForm::kOverlapped:
+      if constexpr (D != 256) return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kOverlapped>>();
+      [[fallthrough]];
+    default: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kPipelined>>();
   }
 }
 
@@ -119,34 +134,41 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
 
 template <int D, typename Elem>
 void launch_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
-  auto form = static_cast<WgmmaForm>(prefill_wgmma_form());
+  auto form = form_at<D>(static_cast<WgmmaForm>(prefill_wgmma_form()));
   // The overlapped form compiles only the KV-range masks into its softmax; soft-cap, ALiBi and custom masks take
   // the pipelined form (the same work split and plan).
   const VariantParams& vp = p.variant;
   if (form == WgmmaForm::kOverlapped && (vp.soft_cap > 0.f || vp.alibi_slopes != nullptr || vp.custom_mask))
     form = WgmmaForm::kPipelined;
   switch (form) {
-    case WgmmaForm::kBarrier: return launch_wgmma_form<D, Elem, WgmmaForm::kBarrier>(p, dims, stream);
+    case WgmmaForm::kBarrier:
+      if constexpr (D != 256) return launch_wgmma_form<D, Elem, WgmmaForm::kBarrier>(p, dims, stream);
+      [[fallthrough]];
     case WgmmaForm::kWarpSpecialized: return launch_wgmma_form<D, Elem, WgmmaForm::kWarpSpecialized>(p, dims, stream);
-    case WgmmaForm::kPipelined: return launch_wgmma_form<D, Elem, WgmmaForm::kPipelined>(p, dims, stream);
-    default: return launch_wgmma_form<D, Elem, WgmmaForm::kOverlapped>(p, dims, stream);
+    case WgmmaForm::kOverlapped:
+      if constexpr (D != 256) return launch_wgmma_form<D, Elem, WgmmaForm::kOverlapped>(p, dims, stream);
+      [[fallthrough]];
+    default: return launch_wgmma_form<D, Elem, WgmmaForm::kPipelined>(p, dims, stream);
   }
 }
 
 // Launches the Hopper kernel when it is requested and serves the plan; false otherwise.
 bool launch_prefill_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
   const int d = p.head_dim_qk;
-  if (!prefill_wgmma_serves(d, prefill_plan_rows(p)) || p.head_dim_vo != d || p.variant.rope.enabled ||
-      p.kv.dtype != p.q_dtype)
+  const int tile_rows = p.tile_rows > 0 ? p.tile_rows : prefill_plan_rows(p);
+  if (!prefill_wgmma_serves(d, tile_rows) || p.head_dim_vo != d || p.variant.rope.enabled || p.kv.dtype != p.q_dtype)
     return false;
+  // `dims` counts row blocks of the portable kernel's CTA rows (prefill_plan_rows: 64 at head_dim 256); this
+  // kernel's CTAs hold kPrefillWgmmaRows.
+  KernelDims wd = dims;
+  wd.grid.z = (dims.grid.z * prefill_plan_rows(p) + kPrefillWgmmaRows - 1) / kPrefillWgmmaRows;
   const bool bf16 = p.q_dtype == DType::kBFloat16;
   if (d == 64)
-    bf16 ? launch_wgmma<64, Bf16>(p, dims, stream) : launch_wgmma<64, F16>(p, dims, stream);
-  else if (d == 256)  // the warp-specialized form only
-    bf16 ? launch_wgmma_form<256, Bf16, WgmmaForm::kWarpSpecialized>(p, dims, stream)
-         : launch_wgmma_form<256, F16, WgmmaForm::kWarpSpecialized>(p, dims, stream);
+    bf16 ? launch_wgmma<64, Bf16>(p, wd, stream) : launch_wgmma<64, F16>(p, wd, stream);
+  else if (d == 256)
+    bf16 ? launch_wgmma<256, Bf16>(p, wd, stream) : launch_wgmma<256, F16>(p, wd, stream);
   else
-    bf16 ? launch_wgmma<128, Bf16>(p, dims, stream) : launch_wgmma<128, F16>(p, dims, stream);
+    bf16 ? launch_wgmma<128, Bf16>(p, wd, stream) : launch_wgmma<128, F16>(p, wd, stream);
   return true;
 }
 
@@ -183,11 +205,15 @@ PrefillWgmma prefill_wgmma() {
   return from_env;
 }
 
-bool prefill_wgmma_serves(int head_dim, int rows) {
+bool prefill_wgmma_serves(int head_dim, int tile_rows) {
   const PrefillWgmma mode = prefill_wgmma();
-  if (mode == PrefillWgmma::kOff || rows != prefill_rows(head_dim)) return false;
+  if (mode == PrefillWgmma::kOff || tile_rows != kPrefillWgmmaRows) return false;
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return false;
   return compute_capability() == 90;  // sm_90a code runs on 9.0 only
+}
+
+int prefill_tile_rows(int head_dim) {
+  return prefill_wgmma_serves(head_dim, kPrefillWgmmaRows) ? kPrefillWgmmaRows : prefill_rows(head_dim);
 }
 
 int prefill_wgmma_form() {
@@ -195,13 +221,14 @@ int prefill_wgmma_form() {
   return form;
 }
 
-int prefill_ctas_per_sm(int head_dim, int rows) {
+int prefill_ctas_per_sm(int head_dim, int tile_rows) {
   // The Hopper kernel holds one CTA per SM where it serves the plan's tiles; the planner's split targets follow
   // it. (A plan with RoPE still runs prefill_kernel, two CTAs per SM, on these targets: it splits less.)
-  if (prefill_wgmma_serves(head_dim, rows)) {
-    if (head_dim == 256) return configure_wgmma<PrefillWgmmaTraits<256, Bf16, WgmmaForm::kWarpSpecialized>>();
+  if (prefill_wgmma_serves(head_dim, tile_rows)) {
     const auto form = static_cast<WgmmaForm>(prefill_wgmma_form());
-    return head_dim == 64 ? configure_wgmma_form<64>(form) : configure_wgmma_form<128>(form);
+    return head_dim == 64    ? configure_wgmma_form<64>(form)
+           : head_dim == 256 ? configure_wgmma_form<256>(form)
+                             : configure_wgmma_form<128>(form);
   }
   switch (head_dim) {  // bf16 and fp16 instantiations use the same registers and shared memory
     case 64: return configure<PrefillTraits<64, Bf16>>();

@@ -20,26 +20,29 @@ int prefill_plan_rows(const AttentionParams& p);
 LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens, int rows);
 
 // Which kernel runs the plans the Hopper kernel serves (prefill_wgmma.cuh: nvcc-built, compute capability 9.0,
-// the head dim's tiles of prefill_rows rows, 16-bit K/V in Q's type, no RoPE); every other plan runs prefill_kernel.
+// query tiles of kPrefillWgmmaRows = 128 packed rows, 16-bit K/V in Q's type, no RoPE); every other plan runs
+// prefill_kernel (at head_dim 256, whose CTAs hold 64 rows, two row blocks per 128-row tile).
 //   kAuto (ATTNFORGE_PREFILL_WGMMA unset or "auto") and kOn ("1"): head_dim 64, 128 and 256, all measured faster
-//   on the H200 than the portable kernel (256: the warp-specialized form whatever ATTNFORGE_PREFILL_WGMMA_WS says,
-//   its two computing warpgroups splitting the K/V tiles of 64-row tiles); kOff ("0"): never (the portable kernel
-//   everywhere).
+//   on the H200 than the portable kernel; kOff ("0"): never (the portable kernel everywhere).
 enum class PrefillWgmma { kAuto, kOff, kOn };
 void set_prefill_wgmma(PrefillWgmma mode);  // overrides the environment (tests, A/B runs)
 PrefillWgmma prefill_wgmma();
-// Whether plans of this head dim and CTA rows run on the Hopper kernel on the current device (RoPE, dtypes aside).
-bool prefill_wgmma_serves(int head_dim, int rows);
-// The Hopper kernel's form at head_dim 64 and 128 (prefill_wgmma.cuh: WgmmaForm), ATTNFORGE_PREFILL_WGMMA_WS:
-// "2" (the default, kPipelined: persistent CTAs whose copying warpgroup runs into the next item while the two
-// computing ones finish the last), "1" (kWarpSpecialized: the CTA meets twice per item) or "0" (kBarrier: all 256
-// threads copy and meet at a barrier per tile) or "3" (kOverlapped: as "2", and each computing warpgroup runs a
-// tile's softmax while the last tile's O += P V runs; not yet run on a GPU). Read once.
+// Whether plans of this head dim and query tile rows (AttentionPlan::tile_rows) run on the Hopper kernel on the
+// current device (RoPE, dtypes aside).
+bool prefill_wgmma_serves(int head_dim, int tile_rows);
+// The planner's query tile rows for long queries: kPrefillWgmmaRows where the Hopper kernel serves them, else the
+// portable kernel's CTA rows (prefill_rows).
+int prefill_tile_rows(int head_dim);
+// The Hopper kernel's form (prefill_wgmma.cuh: WgmmaForm), ATTNFORGE_PREFILL_WGMMA_WS: "2" (the default,
+// kPipelined: persistent CTAs whose copying warpgroup runs into the next item while the two computing ones finish
+// the last), "1" (kWarpSpecialized: the CTA meets twice per item), "0" (kBarrier: all 256 threads copy and meet at
+// a barrier per tile; head_dim 256 runs "1" instead) or "3" (kOverlapped: as "2", and each computing warpgroup runs
+// a tile's softmax while the last tile's O += P V runs; not yet run on a GPU). Read once.
 int prefill_wgmma_form();
 
-// The nvcc-compiled kernels (the default tile configuration): CTAs per SM of the kernel plans of `rows` CTA rows
-// (prefill_cta_rows) run on.
-int prefill_ctas_per_sm(int head_dim, int rows);
+// The nvcc-compiled kernels (the default tile configuration): CTAs per SM of the kernel that runs plans of
+// `tile_rows` query tile rows.
+int prefill_ctas_per_sm(int head_dim, int tile_rows);
 // Grid sizes come from the plan's capacities, never its counts (see kernel_config.h), so graphs survive re-plans.
 void run_prefill(const AttentionParams& p, cudaStream_t stream);
 

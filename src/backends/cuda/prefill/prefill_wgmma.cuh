@@ -1,14 +1,14 @@
-// Batch prefill on Hopper warpgroup products (sm_90a; prefill.h says which plans it takes: by default head_dim 128's
-// 128-row tiles, where the H200 measured it faster than prefill_kernel.cuh). The work split is the mma.sync kernel's
-// (prefill_kernel.cuh): one CTA = (work item, KV head, block of 128 packed rows). Two warpgroups own 64 rows each and
-// read every K/V tile of the item: S = Q K^T is one m64n128k16 wgmma per 16 head dims with Q and K from shared memory,
-// the online softmax runs on the accumulator registers, and O += P V takes P from registers (the accumulators of two n8
-// blocks are one k16 A fragment, as with mma.sync) and V from shared memory, transposed by the instruction. Q, K and V
-// sit in 64-element panels in the 128-byte swizzle (device/wgmma.cuh), K/V in 128-token tiles through a two-stage
-// cp.async pipeline: fed by a third, copying warpgroup in the warp-specialized form (the default; 1.4x on the H200),
-// or by all 256 threads with a barrier per tile. Built-in options (causal, window, soft-cap, ALiBi, custom mask,
-// sinks); not RoPE, not custom variants (those keep prefill_kernel). head_dim 64, 128 and 256 (its 64-row tiles:
-// both computing warpgroups hold the rows and split the K/V tiles), bf16 and fp16. Self-contained for NVRTC.
+// Batch prefill on Hopper warpgroup products (sm_90a; prefill.h says which plans it takes: 128-row tiles of head_dim
+// 64, 128 and 256, where the H200 measured it faster than prefill_kernel.cuh). The work split is the mma.sync
+// kernel's (prefill_kernel.cuh): one CTA = (work item, KV head, block of 128 packed rows). Two warpgroups own 64 rows
+// each and read every K/V tile of the item: S = Q K^T is one m64nNk16 wgmma per 16 head dims with Q and K from shared
+// memory, the online softmax runs on the accumulator registers, and O += P V takes P from registers (the accumulators
+// of two n8 blocks are one k16 A fragment, as with mma.sync) and V from shared memory, transposed by the instruction.
+// Q, K and V sit in 64-element panels in the 128-byte swizzle (device/wgmma.cuh), K/V in tiles of N = 128 tokens (64
+// at head_dim 256) through a two-stage cp.async pipeline: fed by a third, copying warpgroup in the warp-specialized
+// forms (the default), or by all 256 threads with a barrier per tile. Built-in options (causal, window, soft-cap,
+// ALiBi, custom mask, sinks); not RoPE, not custom variants (those keep prefill_kernel). bf16 and fp16.
+// Self-contained for NVRTC.
 #pragma once
 
 #include "attnforge/kernel/params.h"
@@ -71,30 +71,26 @@ struct PrefillWgmmaTraits {
   static constexpr int kConsumerRegs = 240;
   static_assert(!kWarpSpecialized || 128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg would ask for more registers than the CTA was launched with, and wait forever");
-  // head_dim 256 (warp-specialized only): the planner's 64-row tiles, which both computing warpgroups hold whole
-  // (O is 128 registers a thread); they take alternate K/V tiles and merge their states at the end
-  // (kSplitTiles). 32-token tiles in four stages, two for each computing warpgroup, which reads every use of its
-  // own stages in order (a warpgroup that skipped uses of a stage could not tell phases apart by parity): it
-  // computes on one while its next tile lands in the other.
-  static constexpr bool kSplitTiles = kHeadDim == 256;
-  static constexpr int kRows = kSplitTiles ? 64 : 64 * kWarpgroups;  // prefill_rows(kHeadDim)
-  static constexpr int kTileTokens = kSplitTiles ? 32 : 128;  // K/V tokens per stage and softmax step (S: m64nN)
-  static constexpr int kStages = kSplitTiles ? 4 : 2;
-  static constexpr int kStageReaders = kSplitTiles ? 128 : 256;  // arrivals that release a stage
+  // 128 packed rows a CTA at every head dim (the planner's tiles where this kernel serves: prefill_tile_rows), 64
+  // a computing warpgroup. K/V tiles of 128 tokens, 64 at head_dim 256 (O is 128 registers a thread there, S over
+  // 64 tokens 32 more), two stages.
+  static constexpr int kRows = 64 * kWarpgroups;
+  static_assert(kRows == kPrefillWgmmaRows, "the planner's tiles for this kernel");
+  static constexpr int kTileTokens = kHeadDim == 256 ? 64 : 128;  // K/V tokens per stage and softmax step (S: m64nN)
+  static constexpr int kStages = 2;
+  static constexpr int kStageReaders = 256;  // arrivals that release a stage
   static constexpr int kQBytes = kRows * kHeadDim * 2;
   static constexpr int kStageBytes = kTileTokens * kHeadDim * 2;
-  // Q, the K and V stages (160 KB at head_dim 128 and 256; 192 KB with two Q buffers), and 1 KB to align the panels
-  // to 1024 bytes.
-  // The persistent forms keep two Q buffers: a computing warpgroup copies the next item's rows into one while it
-  // works on the item in the other (a Q load was most of an item's 4,300 cycles of setup, H200 trace at fd447de).
-  static constexpr int kQBuffers = kForm == WgmmaForm::kPipelined || kForm == WgmmaForm::kOverlapped ? 2 : 1;
+  // The persistent forms keep two Q buffers where they fit: a computing warpgroup copies the next item's rows into
+  // one while it works on the item in the other (a Q load was most of an item's 4,300 cycles of setup, H200 trace
+  // at fd447de). Head_dim 256's Q is 64 KB: one buffer.
+  static constexpr int kQBuffers =
+      (kForm == WgmmaForm::kPipelined || kForm == WgmmaForm::kOverlapped) && kHeadDim != 256 ? 2 : 1;
+  // Q, the K and V stages (160 KB at head_dim 128, 192 KB with two Q buffers or at head_dim 256), and 1 KB to align
+  // the panels to 1024 bytes.
   static constexpr int kSmemBytes = kQBuffers * kQBytes + 2 * kStages * kStageBytes + 1024;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
-  static_assert(!kSplitTiles || kForm == WgmmaForm::kWarpSpecialized,
-                "head_dim 256 has the warp-specialized form only");
-  // The merge of the split warpgroups' states goes through the stages: O (64 x 256 floats) and m, l.
-  static_assert(!kSplitTiles || 2 * kStages * kStageBytes >= 64 * kHeadDim * 4 + 4 * 128 * 4, "merge buffer");
-  static_assert(kRows == prefill_rows(kHeadDim), "the planner's query tiles");
+  static_assert(kSmemBytes <= 227 * 1024 - 8 * 1024, "shared memory, with room for the static arrays");
 };
 
 // One warpgroup's running state for this thread's two rows (warp_row0 + lane / 4 and + 8).
@@ -139,7 +135,7 @@ __device__ __forceinline__ void wgmma_issue_s(float (&s_acc)[Tr::kTileTokens / 2
     if constexpr (N == 128)
       wgmma::m64n128k16_ss(s_acc, q_desc, k_desc, k > 0, Elem{});
     else
-      wgmma::m64n32k16_ss(s_acc, q_desc, k_desc, k > 0, Elem{});
+      wgmma::m64n64k16_ss(s_acc, q_desc, k_desc, k > 0, Elem{});
   }
   wgmma::commit();
 #endif
@@ -473,37 +469,12 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
 #endif
 }
 
-// Which stage the next tile of a queue goes through and how many uses of that stage came before it: one queue
-// (every tile, kStages stages in turn), or with kSplitTiles one per computing warpgroup (tile t is warpgroup t % 2's,
-// its stages 2 q and 2 q + 1 in turn). The copier steps the queue of each tile it copies, a computing warpgroup its
-// own, across items alike.
-template <class Tr>
-struct StageQueues {
-  uint32_t tiles0 = 0, tiles1 = 0;  // two scalars, not an array: a run-time index would put them in local memory
-  __device__ __forceinline__ uint32_t tiles(int q) const { return Tr::kSplitTiles && q == 1 ? tiles1 : tiles0; }
-  __device__ __forceinline__ int stage(int q) const {
-    if constexpr (Tr::kSplitTiles) return 2 * q + static_cast<int>(tiles(q) % 2);
-    return static_cast<int>(tiles0 % Tr::kStages);
-  }
-  __device__ __forceinline__ uint32_t use(int q) const {
-    if constexpr (Tr::kSplitTiles) return tiles(q) / 2;
-    return tiles0 / Tr::kStages;
-  }
-  __device__ __forceinline__ void advance(int q) {
-    if (Tr::kSplitTiles && q == 1)
-      ++tiles1;
-    else
-      ++tiles0;
-  }
-  static_assert(!Tr::kSplitTiles || Tr::kStages == 4, "two stages a computing warpgroup");
-};
-
 // The warp-specialized form: warpgroup 0 copies K/V tiles into kStages stages, each with a "full" barrier (its 128
 // threads' copies have landed: cp.async arrivals) and an "empty" one (the 256 computing threads have read it);
 // warpgroups 1 and 2 compute 64 rows each and wait only on those barriers, so one's softmax can run while the
 // other's products keep the tensor cores busy. The CTA meets at a barrier twice per item (Q and the bounds in,
-// shared memory free again after the item). Stage and phase come from counts of tiles that producer and consumers
-// keep alike across items (StageQueues).
+// shared memory free again after the item). Stage and phase come from the count of tiles that producer and
+// consumers keep alike across items (tile count % kStages, (count / kStages) & 1).
 template <class Tr>
 __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -536,7 +507,7 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
     for (int s = 0; s < S; ++s) mbar::init(&full[s], 128), mbar::init(&empty[s], Tr::kStageReaders);
   }
   __syncthreads();
-  StageQueues<Tr> queues;  // stage of a tile and its phase, (use & 1)
+  uint32_t count = 0;  // tiles through the stages so far
 
   // The item's shared part: Q copied by the 256 computing threads, then a barrier (id 2) after which every thread
   // reads the computing warps' KV bounds: the CTA's KV range and this warpgroup's. After the register hand-over
@@ -576,10 +547,9 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
       // A tile's row offsets into a shared slot, a producer-only barrier (id 1), then its copies into the stage.
       KVTileLoader<D, N, 128, S, 2, true> loader(kv, m.b, kv_head, range_lo, range_hi);
 #pragma unroll 1
-      for (int t = 0; t < num_tiles; ++t) {
-        const int q = Tr::kSplitTiles ? t % 2 : 0;
-        const int s = queues.stage(q);
-        const uint32_t use = queues.use(q);
+      for (int t = 0; t < num_tiles; ++t, ++count) {
+        const int s = count % S;
+        const uint32_t use = count / S;
         loader.fetch_offsets(t, s_offsets);
         ATTNFORGE_TRACE(tr_now = clock64(); tr_fetch += tr_now - tr_t; tr_t = tr_now;)
         if (use > 0) mbar::wait(&empty[s], (use & 1) ^ 1);  // the consumers read this stage's last tile
@@ -587,7 +557,6 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
         mbar::named_sync(1, 128);
         loader.load_offsets(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes, s_offsets);
         mbar::arrive_on_copies(&full[s]);
-        queues.advance(q);
         ATTNFORGE_TRACE(tr_now = clock64(); tr_load += tr_now - tr_t; tr_t = tr_now;)
       }
       mbar::named_sync(3, Tr::kThreads);  // shared memory (Q, stages, bounds, page ids) is reused by the next item
@@ -597,9 +566,9 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
     grid_launch_dependents();
   } else {
     mbar::grow_registers<Tr::kConsumerRegs>();
-    // Warpgroup cwg's rows are 64 cwg .. 64 cwg + 63 (with kSplitTiles both hold rows 0 .. 63), warp w's 16 of them.
-    const int warp_row0 = 16 * (Tr::kSplitTiles ? (warp - 4) & 3 : warp - 4);
-    const uint32_t q_addr = smem_address(sQ) + (Tr::kSplitTiles ? 0 : 64 * cwg * 128);  // its rows of each Q panel
+    // Warpgroup cwg's rows are 64 cwg .. 64 cwg + 63, warp w's 16 of them.
+    const int warp_row0 = 16 * (warp - 4);
+    const uint32_t q_addr = smem_address(sQ) + 64 * cwg * 128;  // its rows of each Q panel
     ATTNFORGE_TRACE(long long tr_setup = 0, tr_first = 0, tr_wait = 0, tr_plain = 0, tr_masked = 0, tr_store = 0,
                     tr_items = 0, tr_tiles = 0, tr_masked_tiles = 0;
                     const long long tr_begin = clock64(); long long tr_t = tr_begin, tr_now = 0;)
@@ -618,12 +587,10 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
       wgmma_reset_rows(st);
       ATTNFORGE_TRACE(tr_now = clock64(); tr_setup += tr_now - tr_t; tr_t = tr_now; tr_tiles += num_tiles;)
 #pragma unroll 1
-      for (int t = Tr::kSplitTiles ? cwg : 0; t < num_tiles; t += Tr::kSplitTiles ? 2 : 1) {
-        const int s = queues.stage(cwg);
-        mbar::wait(&full[s], queues.use(cwg) & 1);
-        ATTNFORGE_TRACE(tr_now = clock64(); (t == (Tr::kSplitTiles ? cwg : 0) ? tr_first : tr_wait) += tr_now - tr_t;
-                        tr_t = tr_now;)
-        queues.advance(cwg);
+      for (int t = 0; t < num_tiles; ++t, ++count) {
+        const int s = count % S;
+        mbar::wait(&full[s], (count / S) & 1);
+        ATTNFORGE_TRACE(tr_now = clock64(); (t == 0 ? tr_first : tr_wait) += tr_now - tr_t; tr_t = tr_now;)
         wgmma::fence_operands();  // the producer's copies, seen through the barrier, before the tensor cores read
         const int tile_start = range_lo + t * N;
         if (tile_start < g_hi && tile_start + N > g_lo)  // some row of this warpgroup sees the tile
@@ -637,49 +604,13 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
                         tr_t = tr_now;)
       }
       if (index + gridDim.x >= num_items) grid_launch_dependents();  // this CTA's last item
-      if constexpr (Tr::kSplitTiles) {
-        // Warpgroup 1 hands its state to warpgroup 0 through the stages: every tile of the item has landed and
-        // been read once both are here (barrier 4), and the copier waits at barrier 3 before the next item.
-        float* buf = reinterpret_cast<float*>(sK);
-        const int i = threadIdx.x & 127;  // both warpgroups' thread i hold the same rows and columns
-        mbar::named_sync(4, 256);
-        if (cwg == 1) {
-#pragma unroll
-          for (int j = 0; j < D / 2; ++j) buf[j * 128 + i] = st.o_acc[j];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            buf[(D / 2 + h) * 128 + i] = st.m_run[h];
-            buf[(D / 2 + 2 + h) * 128 + i] = st.l_run[h];
-          }
-        }
-        mbar::named_sync(4, 256);
-        if (cwg == 0) {
-          float c0[2], c1[2];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float m1 = buf[(D / 2 + h) * 128 + i], l1 = buf[(D / 2 + 2 + h) * 128 + i];
-            const float m = fmaxf(st.m_run[h], m1);
-            const float m_sub = m == -ATTNFORGE_INFINITY ? 0.f : m;
-            c0[h] = fast_exp2(st.m_run[h] - m_sub);
-            c1[h] = fast_exp2(m1 - m_sub);
-            st.m_run[h] = m;
-            st.l_run[h] = st.l_run[h] * c0[h] + l1 * c1[h];
-          }
-#pragma unroll
-          for (int j = 0; j < D / 2; ++j)
-            st.o_acc[j] = st.o_acc[j] * c0[(j % 4) / 2] + buf[j * 128 + i] * c1[(j % 4) / 2];
-          if (wgmma_staged_store(p, it))  // Q (both warpgroups' rows) is read no more
-            wgmma_store_rows_staged<Tr>(p, c, st, sQ, 0, 5);
-          else
-            wgmma_store_rows<D>(p, c, st);
-        }
-      } else if (wgmma_staged_store(p, it)) {
+      if (wgmma_staged_store(p, it)) {
         wgmma_store_rows_staged<Tr>(p, c, st, sQ + 64 * cwg * 128, 64 * cwg, 5 + cwg);
       } else {
         wgmma_store_rows<D>(p, c, st);
       }
       mbar::named_sync(3, Tr::kThreads);
-      ATTNFORGE_TRACE(tr_now = clock64(); tr_store += tr_now - tr_t; tr_t = tr_now;)  // the merge with the store
+      ATTNFORGE_TRACE(tr_now = clock64(); tr_store += tr_now - tr_t; tr_t = tr_now;)
     }
     ATTNFORGE_TRACE(if ((threadIdx.x & 127) == 0) trace_add(1 + cwg, {tr_items, tr_tiles, clock64() - tr_begin,
                                                                       tr_masked_tiles, tr_setup, tr_first, tr_wait,

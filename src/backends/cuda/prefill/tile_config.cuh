@@ -18,6 +18,9 @@ constexpr int kPrefillShortRows = 16 * kPrefillWarps;
 ATTNFORGE_HOST_DEVICE constexpr int prefill_cta_rows(int head_dim, int tile_rows) {
   return tile_rows <= kPrefillShortRows ? kPrefillShortRows : prefill_rows(head_dim);
 }
+// Packed query rows per CTA of the Hopper kernel (prefill_wgmma.cuh) at every head dim; at head_dim 256, where the
+// portable kernel's CTA holds 64, plans of these tiles run it with two row blocks per item.
+constexpr int kPrefillWgmmaRows = 128;
 // K/V tokens per pipeline stage: 64 at head_dim 64; 32 above, where 64 made ptxas spill the accumulators.
 ATTNFORGE_HOST_DEVICE constexpr int prefill_tile_tokens(int head_dim) { return head_dim <= 64 ? 64 : 32; }
 
