@@ -188,11 +188,12 @@ int prefill_plan_rows(const AttentionParams& p) {
 
 LaunchConfig prefill_launch_config(const AttentionParams& p, int stage_tokens, int rows) {
   LaunchConfig c = attention_launch_config(p, rows, prefill_attributes(p.head_dim_qk, stage_tokens, rows));
-  // Row blocks for the longest query tile any re-plan of this shape can have (the head dim's tile, or one token
-  // of a group larger than it), not only this plan's: a graph captured with a plan of short tiles then still
-  // covers every row of a re-plan with long ones (CTAs past an item's rows skip it).
+  // Row blocks for the longest query tile any re-plan of this shape can have (the planner's long tile,
+  // prefill_tile_rows: 128 rows at head_dim 256 too where the Hopper kernel serves it; or one token of a group larger
+  // than it), not only this plan's: a graph captured with a plan of short tiles then still covers every row of a
+  // re-plan with long ones (CTAs past an item's rows skip it).
   const int group = p.num_qo_heads / p.num_kv_heads;
-  const int longest = std::max({prefill_rows(p.head_dim_qk), group, p.qo_tile * group});
+  const int longest = std::max({prefill_tile_rows(p.head_dim_qk), group, p.qo_tile * group});
   c.attention.grid.z = static_cast<unsigned>((longest + rows - 1) / rows);
   return c;
 }
