@@ -210,7 +210,15 @@ bool prefill_wgmma_serves(int head_dim, int tile_rows) {
   const PrefillWgmma mode = prefill_wgmma();
   if (mode == PrefillWgmma::kOff || tile_rows != kPrefillWgmmaRows) return false;
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return false;
-  return compute_capability() == 90;  // sm_90a code runs on 9.0 only
+  // Launch configurations are computed without a GPU too (prefill_tile_rows sizes the row blocks; unit tests): no
+  // device, no Hopper kernel.
+  static const bool has_device = [] {
+    int count = 0;
+    const bool ok = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+    cudaGetLastError();  // a missing driver leaves no error behind for later checks
+    return ok;
+  }();
+  return has_device && compute_capability() == 90;  // sm_90a code runs on 9.0 only
 }
 
 int prefill_tile_rows(int head_dim) {
