@@ -321,6 +321,21 @@ TEST(CudaPrefillSmall, SplitCausalPaged) {
   EXPECT_TRUE(error.empty()) << error;
 }
 
+// The same at head_dim 256 (the Hopper kernel's 128-row tiles there, one Q buffer), a group of 3, with the sanitizers.
+TEST(CudaPrefillSmall, HeadDim256CausalPaged) {
+  CaseSpec s;
+  s.kind = PlanKind::kPrefill;
+  s.num_qo_heads = 6, s.num_kv_heads = 2, s.head_dim_qk = 256, s.page_size = 5;
+  s.qo_lens = {200, 0, 131};
+  s.kv_lens = {410, 7, 131};
+  s.options.causal = true;
+  s.plan.num_workers = 64;
+  s.spare_pages = 5;
+  s.seed = 43;
+  const std::string error = run_and_check(s);
+  EXPECT_TRUE(error.empty()) << error;
+}
+
 // Batches of short queries (speculative verification: a few tokens per request onto long caches) plan query tiles
 // of at most 64 packed rows, so run() launches the short-tile prefill kernel (one m16 tile per warp): every head
 // dim, groups of 4 and 7, page sizes 1 and 16, causal and not, with RoPE and sinks, split KV included. Each plan is

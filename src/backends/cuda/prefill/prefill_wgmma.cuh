@@ -763,7 +763,8 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         load_q(it, m, kv_head, q_buf);
         cp_async_commit();
       }
-      if (const int w_next = w + gridDim.x; w_next < num_work) {
+      // (One buffer, at head_dim 256: no prefetch; past the buffer lie the K stages.)
+      if (const int w_next = w + gridDim.x; Tr::kQBuffers == 2 && w_next < num_work) {
         const int next_head = w_next / num_items;
         const WorkItem next = plan.items[num_items - 1 - (w_next - next_head * num_items)];
         ItemRows next_m;
