@@ -376,15 +376,15 @@ struct KVTileLoader {
         if constexpr (kK) cp_async_16(dk + i * kRowGroups * 128, k + o.x, bytes);
         if constexpr (kV) cp_async_16(dv + i * kRowGroups * 128, v + o.y, bytes);
       }
-      return;
-    }
-    #pragma unroll 4
-    for (int i = 0; i < kLoadRows; ++i) {
-      const int r = row(i);
-      const longlong2 o = tile[r];
-      const int dst = kPanels ? panel_bytes<kTileTokens>(r, chunk) : swizzle_bytes<kRowBytes>(r, chunk);
-      if constexpr (kK) cp_async_16(static_cast<uint8_t*>(sK) + dst, k + o.x, r < valid_rows ? 16 : 0);
-      if constexpr (kV) cp_async_16(static_cast<uint8_t*>(sV) + dst, v + o.y, r < valid_rows ? 16 : 0);
+    } else {
+      #pragma unroll 4
+      for (int i = 0; i < kLoadRows; ++i) {
+        const int r = row(i);
+        const longlong2 o = tile[r];
+        const int dst = kPanels ? panel_bytes<kTileTokens>(r, chunk) : swizzle_bytes<kRowBytes>(r, chunk);
+        if constexpr (kK) cp_async_16(static_cast<uint8_t*>(sK) + dst, k + o.x, r < valid_rows ? 16 : 0);
+        if constexpr (kV) cp_async_16(static_cast<uint8_t*>(sV) + dst, v + o.y, r < valid_rows ? 16 : 0);
+      }
     }
   }
 };
