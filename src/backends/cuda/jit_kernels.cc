@@ -113,7 +113,7 @@ int JitKernels::ctas_per_sm(const AttentionShape& shape, PlanKind kind) {
   if (prefill_rows(shape.head_dim_qk) != kPrefillShortRows)
     tiles.insert(tiles.end(), {{kPrefillShortRows, false}, {kPrefillShortRows, true}});
   std::vector<std::future<void>> others;
-  for (const std::pair<int32_t, bool> t : tiles)
+  for (const std::pair<int32_t, bool>& t : tiles)
     others.push_back(std::async(std::launch::async, [&, t] { kernels_for(kind, shape, t.second, t.first); }));
   const int n = kernels_for(kind, shape, false).ctas_per_sm;
   for (std::future<void>& f : others) f.get();
