@@ -305,34 +305,32 @@ TEST(CudaLarge, PrefillShapes) {
   }
 }
 
-// A small prefill batch touching every path of the prefill kernel (several row blocks and items, split KV with
-// merges, causal diagonal tiles, a partial last page, an empty request); compute-sanitizer runs this one.
-TEST(CudaPrefillSmall, SplitCausalPaged) {
+// Small causal prefill batches for compute-sanitizer: 6 query heads over 2 KV heads (a group of 3), split KV with
+// merges (64 workers), an empty request, a partial last page, spare pages poisoned.
+std::string run_small_causal_prefill(int32_t head_dim, int32_t page_size, std::vector<int32_t> qo,
+                                     std::vector<int32_t> kv, uint64_t seed) {
   CaseSpec s;
   s.kind = PlanKind::kPrefill;
-  s.num_qo_heads = 6, s.num_kv_heads = 2, s.head_dim_qk = 64, s.page_size = 3;
-  s.qo_lens = {45, 0, 130};
-  s.kv_lens = {300, 9, 130};
+  s.num_qo_heads = 6, s.num_kv_heads = 2, s.head_dim_qk = head_dim, s.page_size = page_size;
+  s.qo_lens = std::move(qo);
+  s.kv_lens = std::move(kv);
   s.options.causal = true;
   s.plan.num_workers = 64;
   s.spare_pages = 5;
-  s.seed = 41;
-  const std::string error = run_and_check(s);
+  s.seed = seed;
+  return run_and_check(s);
+}
+
+// Every path of the prefill kernel (several row blocks and items, split KV with merges, causal diagonal tiles, a
+// partial last page, an empty request); compute-sanitizer runs this one.
+TEST(CudaPrefillSmall, SplitCausalPaged) {
+  const std::string error = run_small_causal_prefill(64, 3, {45, 0, 130}, {300, 9, 130}, 41);
   EXPECT_TRUE(error.empty()) << error;
 }
 
-// The same at head_dim 256 (the Hopper kernel's 128-row tiles there, one Q buffer), a group of 3, with the sanitizers.
+// The same at head_dim 256 (the Hopper kernel's 128-row tiles there, one Q buffer), under the sanitizers too.
 TEST(CudaPrefillSmall, HeadDim256CausalPaged) {
-  CaseSpec s;
-  s.kind = PlanKind::kPrefill;
-  s.num_qo_heads = 6, s.num_kv_heads = 2, s.head_dim_qk = 256, s.page_size = 5;
-  s.qo_lens = {200, 0, 131};
-  s.kv_lens = {410, 7, 131};
-  s.options.causal = true;
-  s.plan.num_workers = 64;
-  s.spare_pages = 5;
-  s.seed = 43;
-  const std::string error = run_and_check(s);
+  const std::string error = run_small_causal_prefill(256, 5, {200, 0, 131}, {410, 7, 131}, 43);
   EXPECT_TRUE(error.empty()) << error;
 }
 
