@@ -38,6 +38,27 @@ __device__ __forceinline__ void trace_add(int role, const long long (&v)[kCount]
 #pragma unroll
   for (int i = 0; i < kCount; ++i) atomicAdd(reinterpret_cast<unsigned long long*>(o + i), v[i]);
 }
+__device__ __forceinline__ long long trace_clock() {
+#if defined(__CUDA_ARCH__)
+  return clock64();
+#else
+  return 0;  // the host pass parses the device code too
+#endif
+}
+// A computing warpgroup's counters: lap(phase) adds the cycles since the last lap to `phase`.
+struct ConsumerTrace {
+  long long begin = trace_clock(), t = begin;
+  long long setup = 0, first = 0, wait = 0, plain = 0, masked = 0, store = 0, items = 0, tiles = 0, masked_tiles = 0;
+  __device__ __forceinline__ void lap(long long& phase) {
+    const long long now = trace_clock();
+    phase += now - t;
+    t = now;
+  }
+  __device__ __forceinline__ void report(int cwg) {
+    if ((threadIdx.x & 127) == 0)
+      trace_add(1 + cwg, {items, tiles, trace_clock() - begin, masked_tiles, setup, first, wait, plain, masked, store});
+  }
+};
 #else
 #define ATTNFORGE_TRACE(...)
 #endif
@@ -355,6 +376,47 @@ __device__ __forceinline__ bool wgmma_staged_store(const AttentionParams& p, con
          p.o_stride_token % 8 == 0 && p.o_stride_head % 8 == 0;
 }
 
+// The warp-specialized and pipelined forms' computing warpgroup on an item's num_tiles K/V tiles from range_lo,
+// in the stages' order (tile count `count`): each waited for on its full barrier, attended where some row of the
+// warpgroup sees it ([g_lo, g_hi)), and released on its empty one.
+template <class Tr>
+__device__ __forceinline__ void wgmma_consume_tiles(const AttentionParams& p, const WgmmaItem& c,
+                                                    WgmmaRows<Tr::kHeadDim>& st, uint32_t q_addr, uint8_t* sK,
+                                                    uint8_t* sV, uint64_t* full, uint64_t* empty, uint32_t& count,
+                                                    int range_lo, int num_tiles, int g_lo,
+                                                    int g_hi ATTNFORGE_TRACE(, ConsumerTrace& tr)) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int N = Tr::kTileTokens, S = Tr::kStages;
+#pragma unroll 1
+  for (int t = 0; t < num_tiles; ++t, ++count) {
+    const int s = count % S;
+    mbar::wait(&full[s], (count / S) & 1);
+    ATTNFORGE_TRACE(tr.lap(t == 0 ? tr.first : tr.wait);)
+    wgmma::fence_operands();  // the copier's copies, seen through the barrier, before the tensor cores read
+    const int tile_start = range_lo + t * N;
+    if (tile_start < g_hi && tile_start + N > g_lo)  // some row of this warpgroup sees the tile
+      wgmma_attend_tile<Tr>(p, c, st, q_addr, smem_address(sK + s * Tr::kStageBytes),
+                            smem_address(sV + s * Tr::kStageBytes), tile_start);
+    mbar::arrive(&empty[s]);
+    ATTNFORGE_TRACE(const bool tr_is_plain = !c.transform && !p.variant.custom_mask && tile_start >= c.w_max_lo &&
+                                             tile_start + N <= c.w_min_hi;
+                    tr.lap(tr_is_plain ? tr.plain : tr.masked); tr.masked_tiles += !tr_is_plain;)
+  }
+#endif
+}
+
+// An item's rows written: staged through the warpgroup's own Q rows (q_rows, its first row wg_row0, named barrier
+// `bar`) where wgmma_staged_store allows, else directly.
+template <class Tr>
+__device__ __forceinline__ void wgmma_store_item(const AttentionParams& p, const WgmmaItem& c,
+                                                 const WgmmaRows<Tr::kHeadDim>& st, uint8_t* q_rows, int wg_row0,
+                                                 int bar) {
+  if (wgmma_staged_store(p, c.it))
+    wgmma_store_rows_staged<Tr>(p, c, st, q_rows, wg_row0, bar);
+  else
+    wgmma_store_rows<Tr::kHeadDim>(p, c, st);
+}
+
 // This thread's rows (warp_row0 + lane / 4 + 8 h): the warp's union of their KV ranges, which lane 0 publishes in
 // s_bounds[.][warp], and their intersection over the item's rows (w_max_lo, w_min_hi: the plain-tile test).
 template <int kWarps>
@@ -569,11 +631,9 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
     // Warpgroup cwg's rows are 64 cwg .. 64 cwg + 63, warp w's 16 of them.
     const int warp_row0 = 16 * (warp - 4);
     const uint32_t q_addr = smem_address(sQ) + 64 * cwg * 128;  // its rows of each Q panel
-    ATTNFORGE_TRACE(long long tr_setup = 0, tr_first = 0, tr_wait = 0, tr_plain = 0, tr_masked = 0, tr_store = 0,
-                    tr_items = 0, tr_tiles = 0, tr_masked_tiles = 0;
-                    const long long tr_begin = clock64(); long long tr_t = tr_begin, tr_now = 0;)
+    ATTNFORGE_TRACE(ConsumerTrace tr;)
     for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
-      ATTNFORGE_TRACE(tr_t = clock64(); ++tr_items;)
+      ATTNFORGE_TRACE(tr.t = trace_clock(); ++tr.items;)
       Item m;
       if (!begin_item(index, m)) continue;
       const WorkItem& it = m.it;
@@ -585,36 +645,15 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
                         warp_row0, lane, w_max_lo, w_min_hi, scale_log2, transform};
       WgmmaRows<D> st;
       wgmma_reset_rows(st);
-      ATTNFORGE_TRACE(tr_now = clock64(); tr_setup += tr_now - tr_t; tr_t = tr_now; tr_tiles += num_tiles;)
-#pragma unroll 1
-      for (int t = 0; t < num_tiles; ++t, ++count) {
-        const int s = count % S;
-        mbar::wait(&full[s], (count / S) & 1);
-        ATTNFORGE_TRACE(tr_now = clock64(); (t == 0 ? tr_first : tr_wait) += tr_now - tr_t; tr_t = tr_now;)
-        wgmma::fence_operands();  // the producer's copies, seen through the barrier, before the tensor cores read
-        const int tile_start = range_lo + t * N;
-        if (tile_start < g_hi && tile_start + N > g_lo)  // some row of this warpgroup sees the tile
-          wgmma_attend_tile<Tr>(p, c, st, q_addr, smem_address(sK + s * Tr::kStageBytes),
-                                smem_address(sV + s * Tr::kStageBytes), tile_start);
-        mbar::arrive(&empty[s]);
-        ATTNFORGE_TRACE(tr_now = clock64();
-                        const bool tr_is_plain = !transform && !vp.custom_mask && range_lo + t * N >= w_max_lo &&
-                                                 range_lo + t * N + N <= w_min_hi;
-                        (tr_is_plain ? tr_plain : tr_masked) += tr_now - tr_t; tr_masked_tiles += !tr_is_plain;
-                        tr_t = tr_now;)
-      }
+      ATTNFORGE_TRACE(tr.lap(tr.setup); tr.tiles += num_tiles;)
+      wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo,
+                              g_hi ATTNFORGE_TRACE(, tr));
       if (index + gridDim.x >= num_items) grid_launch_dependents();  // this CTA's last item
-      if (wgmma_staged_store(p, it)) {
-        wgmma_store_rows_staged<Tr>(p, c, st, sQ + 64 * cwg * 128, 64 * cwg, 5 + cwg);
-      } else {
-        wgmma_store_rows<D>(p, c, st);
-      }
+      wgmma_store_item<Tr>(p, c, st, sQ + 64 * cwg * 128, 64 * cwg, 5 + cwg);
       mbar::named_sync(3, Tr::kThreads);
-      ATTNFORGE_TRACE(tr_now = clock64(); tr_store += tr_now - tr_t; tr_t = tr_now;)
+      ATTNFORGE_TRACE(tr.lap(tr.store);)
     }
-    ATTNFORGE_TRACE(if ((threadIdx.x & 127) == 0) trace_add(1 + cwg, {tr_items, tr_tiles, clock64() - tr_begin,
-                                                                      tr_masked_tiles, tr_setup, tr_first, tr_wait,
-                                                                      tr_plain, tr_masked, tr_store});)
+    ATTNFORGE_TRACE(tr.report(cwg);)
   }
 #endif
 }
@@ -745,11 +784,9 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
     int q_buf = 0, prefetched = -1;  // the buffer of this item's Q; the work index whose Q the other one holds
     const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
     const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
-    ATTNFORGE_TRACE(long long tr_setup = 0, tr_first = 0, tr_wait = 0, tr_plain = 0, tr_masked = 0, tr_store = 0,
-                    tr_items = 0, tr_tiles = 0, tr_masked_tiles = 0;
-                    const long long tr_begin = clock64(); long long tr_t = tr_begin, tr_now = 0;)
+    ATTNFORGE_TRACE(ConsumerTrace tr;)
     for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
-      ATTNFORGE_TRACE(tr_t = clock64(); ++tr_items;)
+      ATTNFORGE_TRACE(tr.t = trace_clock(); ++tr.items;)
       const int kv_head = w / num_items;
       const WorkItem it = plan.items[num_items - 1 - (w - kv_head * num_items)];
       ItemRows m;
@@ -810,7 +847,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
                         warp_row0, lane, w_max_lo, w_min_hi, scale_log2, transform};
       WgmmaRows<D> st;
       wgmma_reset_rows(st);
-      ATTNFORGE_TRACE(tr_now = clock64(); tr_setup += tr_now - tr_t; tr_t = tr_now; tr_tiles += num_tiles;)
+      ATTNFORGE_TRACE(tr.lap(tr.setup); tr.tiles += num_tiles;)
       if constexpr (kOverlap) {
         // The tiles some row of this warpgroup sees are a run [t_lo, t_hi); the others are waited for and released
         // unread, in order. Within the run, tile t's S = Q K^T is issued with tile t - 1's O += P V and its softmax
@@ -838,7 +875,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
           int s = count % S, pv_stage = 0;
           uint32_t phase = (count / S) & 1;
           mbar::wait(&full[s], phase);
-          ATTNFORGE_TRACE(tr_now = clock64(); tr_first += tr_now - tr_t; tr_t = tr_now;)
+          ATTNFORGE_TRACE(tr.lap(tr.first);)
           wgmma::fence_operands();  // the copier's copies, seen through the barrier, before the tensor cores read
           wgmma_issue_s<Tr>(s_acc, q_addr, smem_address(sK + s * Tr::kStageBytes));
           wgmma::wait<0>();
@@ -857,14 +894,14 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
             s = count % S, phase = (count / S) & 1;
             mbar::wait(&full[s], phase);
             mbar::wait(&full_v[pv_stage], pv_phase);
-            ATTNFORGE_TRACE(tr_now = clock64(); tr_wait += tr_now - tr_t; tr_t = tr_now;)
+            ATTNFORGE_TRACE(tr.lap(tr.wait);)
             wgmma::fence_operands();
             wgmma_issue_s<Tr>(s_acc, q_addr, smem_address(sK + s * Tr::kStageBytes));
             wgmma_issue_pv<Tr>(st.o_acc, p_frag, smem_address(sV + pv_stage * Tr::kStageBytes));
             wgmma::wait<1>();  // S done; the last tile's P V runs on through the softmax
             mbar::arrive(&empty[s]);
             wgmma_softmax<Tr, true>(p, c, st, s_acc, range_lo + t * N, corr);
-            ATTNFORGE_TRACE(tr_now = clock64(); tr_plain += tr_now - tr_t; tr_t = tr_now;)
+            ATTNFORGE_TRACE(tr.lap(tr.plain);)
           }
           wgmma::wait<0>();
           if (t_hi > t_lo + 1) mbar::arrive(&empty_v[pv_stage]);
@@ -880,33 +917,15 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
 #pragma unroll 1
         for (int t = t_hi; t < num_tiles; ++t) skip(count++);
       }
-#pragma unroll 1
-      for (int t = 0; !kOverlap && t < num_tiles; ++t, ++count) {
-        const int s = count % S;
-        mbar::wait(&full[s], (count / S) & 1);
-        ATTNFORGE_TRACE(tr_now = clock64(); (t == 0 ? tr_first : tr_wait) += tr_now - tr_t; tr_t = tr_now;)
-        wgmma::fence_operands();  // the copier's copies, seen through the barrier, before the tensor cores read
-        const int tile_start = range_lo + t * N;
-        if (tile_start < g_hi && tile_start + N > g_lo)  // some row of this warpgroup sees the tile
-          wgmma_attend_tile<Tr>(p, c, st, q_addr, smem_address(sK + s * Tr::kStageBytes),
-                                smem_address(sV + s * Tr::kStageBytes), tile_start);
-        mbar::arrive(&empty[s]);
-        ATTNFORGE_TRACE(tr_now = clock64();
-                        const bool tr_is_plain = !transform && !vp.custom_mask && tile_start >= w_max_lo &&
-                                                 tile_start + N <= w_min_hi;
-                        (tr_is_plain ? tr_plain : tr_masked) += tr_now - tr_t; tr_masked_tiles += !tr_is_plain;
-                        tr_t = tr_now;)
-      }
+      if constexpr (!kOverlap)
+        wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo,
+                                g_hi ATTNFORGE_TRACE(, tr));
       if (w + gridDim.x >= num_work) grid_launch_dependents();  // this CTA's last item
-      if (wgmma_staged_store(p, it))  // its own rows of Q, which the next item's Q load waits for
-        wgmma_store_rows_staged<Tr>(p, c, st, sQ + q_buf * Tr::kQBytes + 64 * cwg * 128, 64 * cwg, 4 + cwg);
-      else
-        wgmma_store_rows<D>(p, c, st);
-      ATTNFORGE_TRACE(tr_now = clock64(); tr_store += tr_now - tr_t; tr_t = tr_now;)
+      // Staged through its own rows of Q, which the next item's Q load waits for.
+      wgmma_store_item<Tr>(p, c, st, sQ + q_buf * Tr::kQBytes + 64 * cwg * 128, 64 * cwg, 4 + cwg);
+      ATTNFORGE_TRACE(tr.lap(tr.store);)
     }
-    ATTNFORGE_TRACE(if ((threadIdx.x & 127) == 0) trace_add(1 + cwg, {tr_items, tr_tiles, clock64() - tr_begin,
-                                                                      tr_masked_tiles, tr_setup, tr_first, tr_wait,
-                                                                      tr_plain, tr_masked, tr_store});)
+    ATTNFORGE_TRACE(tr.report(cwg);)
   }
 #endif
 }
