@@ -785,30 +785,41 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
     const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
     const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
     ATTNFORGE_TRACE(ConsumerTrace tr;)
+    // The pairs' metadata runs ahead of the loop (an item's setup was 5,300 cycles, H200 trace at 6cedce2, mostly
+    // the dependent global loads of plan.items and then qo_indptr and kv_len): the next pair's WorkItem and rows
+    // and the WorkItem after it, loaded while the current pair's tiles run and first used by the next iteration.
+    auto item_at = [&](int w) {
+      const int h = w / num_items;
+      return plan.items[num_items - 1 - (w - h * num_items)];
+    };
+    WorkItem it_next{}, it_after{};
+    ItemRows m_next{};
+    bool ok_next = false;
+    if (blockIdx.x < num_work) {
+      it_next = item_at(blockIdx.x);
+      ok_next = item_rows<Tr::kRows>(plan, it_next, group, row0, m_next);
+    }
+    if (blockIdx.x + gridDim.x < num_work) it_after = item_at(blockIdx.x + gridDim.x);
     for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
       ATTNFORGE_TRACE(tr.t = trace_clock(); ++tr.items;)
       const int kv_head = w / num_items;
-      const WorkItem it = plan.items[num_items - 1 - (w - kv_head * num_items)];
-      ItemRows m;
-      if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
+      const WorkItem it = it_next;
+      ItemRows m = m_next;
+      const bool ok = ok_next;
+      const int w_next = w + gridDim.x;
+      it_next = it_after;
+      ok_next = w_next < num_work && item_rows<Tr::kRows>(plan, it_next, group, row0, m_next);
+      if (w_next + gridDim.x < num_work) it_after = item_at(w_next + gridDim.x);
+      if (!ok) continue;
       // Q: this warpgroup's rows only (the other's half may still be read by its products of the last item), in
-      // buffer q_buf: copied while the last item ran, or now (the first item, or one after a skipped pair). Then
-      // the next pair's rows into the other buffer, which the last item's products and stores are done with.
+      // buffer q_buf: copied during the last item (after its tiles), or now (the first item, or one after a
+      // skipped pair).
       if (prefetched == w) {
         q_buf ^= 1;
       } else {
         load_q(it, m, kv_head, q_buf);
         cp_async_commit();
       }
-      // (One buffer, at head_dim 256: no prefetch; past the buffer lie the K stages.)
-      if (const int w_next = w + gridDim.x; Tr::kQBuffers == 2 && w_next < num_work) {
-        const int next_head = w_next / num_items;
-        const WorkItem next = plan.items[num_items - 1 - (w_next - next_head * num_items)];
-        ItemRows next_m;
-        if (item_rows<Tr::kRows>(plan, next, group, row0, next_m)) load_q(next, next_m, next_head, q_buf ^ 1);
-        prefetched = w_next;
-      }
-      cp_async_commit();  // possibly empty: this item's Q is then every group but the newest
       const uint32_t q_addr = smem_address(sQ + q_buf * Tr::kQBytes) + 64 * cwg * 128;
       // This thread's rows r (lane / 4 + 8 h of its warp) and the other warpgroup's r ^ 64: the warp's union and
       // intersection of its own rows, and the union of both (the CTA's range, as the copier finds it).
@@ -831,7 +842,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         a_hi = max(a_hi, __shfl_xor_sync(0xffffffffu, a_hi, o));
       }
       if (lane == 0) s_wg_bounds[cwg][parity][warp & 3] = make_int4(w_lo, w_hi, min(a_lo, w_lo), max(a_hi, w_hi));
-      cp_async_wait<1>();
+      cp_async_wait<0>();
       wgmma::fence_operands();              // this warpgroup's Q, visible to the tensor cores
       mbar::named_sync(4 + cwg, 128);       // its Q and bounds are in
       int range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
@@ -921,6 +932,14 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo,
                                 g_hi ATTNFORGE_TRACE(, tr));
       if (w + gridDim.x >= num_work) grid_launch_dependents();  // this CTA's last item
+      // The next pair's Q rows into the other buffer (the last item's products and store are done with it), their
+      // copies running through this item's store. (One buffer, at head_dim 256: no prefetch; past the buffer lie
+      // the K stages.)
+      if (Tr::kQBuffers == 2 && ok_next) {
+        load_q(it_next, m_next, w_next / num_items, q_buf ^ 1);
+        cp_async_commit();
+        prefetched = w_next;
+      }
       // Staged through its own rows of Q, which the next item's Q load waits for.
       wgmma_store_item<Tr>(p, c, st, sQ + q_buf * Tr::kQBytes + 64 * cwg * 128, 64 * cwg, 4 + cwg);
       ATTNFORGE_TRACE(tr.lap(tr.store);)
