@@ -49,6 +49,7 @@ __device__ __forceinline__ long long trace_clock() {
 struct ConsumerTrace {
   long long begin = trace_clock(), t = begin;
   long long setup = 0, first = 0, wait = 0, plain = 0, masked = 0, store = 0, items = 0, tiles = 0, masked_tiles = 0;
+  long long qnext = 0, stage = 0;  // the pipelined form's next-Q copy issue; the staged store up to its first barrier
   __device__ __forceinline__ void lap(long long& phase) {
     const long long now = trace_clock();
     phase += now - t;
@@ -56,7 +57,8 @@ struct ConsumerTrace {
   }
   __device__ __forceinline__ void report(int cwg) {
     if ((threadIdx.x & 127) == 0)
-      trace_add(1 + cwg, {items, tiles, trace_clock() - begin, masked_tiles, setup, first, wait, plain, masked, store});
+      trace_add(1 + cwg, {items, tiles, trace_clock() - begin, masked_tiles, setup, first, wait, plain, masked, store,
+                          qnext, stage});
   }
 };
 #else
@@ -332,7 +334,8 @@ __device__ __forceinline__ void wgmma_store_rows(const AttentionParams& p, const
 template <class Tr>
 __device__ __forceinline__ void wgmma_store_rows_staged(const AttentionParams& p, const WgmmaItem& c,
                                                         const WgmmaRows<Tr::kHeadDim>& st, uint8_t* q_rows,
-                                                        int wg_row0, int bar) {
+                                                        int wg_row0,
+                                                        int bar ATTNFORGE_TRACE(, ConsumerTrace& tr)) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, kChunks = D / 8;
@@ -355,6 +358,7 @@ __device__ __forceinline__ void wgmma_store_rows_staged(const AttentionParams& p
           pack2(st.o_acc[4 * n + 2 * h] * f, st.o_acc[4 * n + 2 * h + 1] * f, Elem{});
   }
   mbar::named_sync(bar, 128);
+  ATTNFORGE_TRACE(tr.lap(tr.stage);)  // normalized and staged: the writes count as the caller's store
   const int t = threadIdx.x & 127;
   uint16_t* o = static_cast<uint16_t*>(p.o);
 #pragma unroll
@@ -410,9 +414,9 @@ __device__ __forceinline__ void wgmma_consume_tiles(const AttentionParams& p, co
 template <class Tr>
 __device__ __forceinline__ void wgmma_store_item(const AttentionParams& p, const WgmmaItem& c,
                                                  const WgmmaRows<Tr::kHeadDim>& st, uint8_t* q_rows, int wg_row0,
-                                                 int bar) {
+                                                 int bar ATTNFORGE_TRACE(, ConsumerTrace& tr)) {
   if (wgmma_staged_store(p, c.it))
-    wgmma_store_rows_staged<Tr>(p, c, st, q_rows, wg_row0, bar);
+    wgmma_store_rows_staged<Tr>(p, c, st, q_rows, wg_row0, bar ATTNFORGE_TRACE(, tr));
   else
     wgmma_store_rows<Tr::kHeadDim>(p, c, st);
 }
@@ -649,7 +653,7 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
       wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo,
                               g_hi ATTNFORGE_TRACE(, tr));
       if (index + gridDim.x >= num_items) grid_launch_dependents();  // this CTA's last item
-      wgmma_store_item<Tr>(p, c, st, sQ + 64 * cwg * 128, 64 * cwg, 5 + cwg);
+      wgmma_store_item<Tr>(p, c, st, sQ + 64 * cwg * 128, 64 * cwg, 5 + cwg ATTNFORGE_TRACE(, tr));
       mbar::named_sync(3, Tr::kThreads);
       ATTNFORGE_TRACE(tr.lap(tr.store);)
     }
@@ -940,8 +944,10 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         cp_async_commit();
         prefetched = w_next;
       }
+      ATTNFORGE_TRACE(tr.lap(tr.qnext);)
       // Staged through its own rows of Q, which the next item's Q load waits for.
-      wgmma_store_item<Tr>(p, c, st, sQ + q_buf * Tr::kQBytes + 64 * cwg * 128, 64 * cwg, 4 + cwg);
+      wgmma_store_item<Tr>(p, c, st, sQ + q_buf * Tr::kQBytes + 64 * cwg * 128, 64 * cwg,
+                           4 + cwg ATTNFORGE_TRACE(, tr));
       ATTNFORGE_TRACE(tr.lap(tr.store);)
     }
     ATTNFORGE_TRACE(tr.report(cwg);)
