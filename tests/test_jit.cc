@@ -34,6 +34,8 @@
 #include "jit/embedded_headers.h"
 #include "jit/kernel_cache.h"
 #include "jit/kernel_key.h"
+#include "backends/cuda/tma.h"
+#include "tma_probe.h"
 #include "wgmma_probe.h"
 #include "jit/nvrtc_compiler.h"
 #include "testing/variant_reference.h"
@@ -167,6 +169,52 @@ TEST(JitCompile, WgmmaProbeKernelsForSm90a) {
   ASSERT_GE(m.binary.size(), 4u);
   EXPECT_EQ(m.binary.compare(0, 4, "\x7f" "ELF"), 0);
   EXPECT_EQ(m.log.find("spill"), std::string::npos) << m.log;
+}
+
+// The tensor-memory-accelerator probe (tests/tma_probe.h: tensor-map boxes into wgmma panels, an mbarrier counting
+// their bytes) compiles for sm_90a without spills.
+TEST(JitCompile, TmaProbeKernelForSm90a) {
+  const CompiledModule m = compile(attnforge::testing::tma_probe_source());
+  ASSERT_EQ(m.lowered_names.size(), 1u);
+  EXPECT_FALSE(m.lowered_names[0].empty());
+  ASSERT_GE(m.binary.size(), 4u);
+  EXPECT_EQ(m.binary.compare(0, 4, "\x7f" "ELF"), 0);
+  EXPECT_EQ(m.log.find("spill"), std::string::npos) << m.log;
+}
+
+// K/V layouts a tensor map cannot describe are refused before the driver is asked (no GPU or driver needed), each
+// error naming the value and what is allowed.
+TEST(TmaMaps, LayoutsTheMapCannotDescribeAreRefusedByName) {
+  alignas(16) static uint16_t cache[64];
+  KVParams kv{};
+  kv.k = kv.v = cache;
+  kv.dtype = DType::kBFloat16;
+  kv.format = KVFormat::kPagedCSR;
+  kv.page_size = 16, kv.num_kv_heads = 8;
+  kv.k_stride_head = kv.v_stride_head = 128;
+  kv.k_stride_token = kv.v_stride_token = 8 * 128;
+  kv.k_stride_page = kv.v_stride_page = 16 * 8 * 128;
+  auto refusal = [](const KVParams& p, int head_dim, cuda::KVBox box) -> std::string {
+    try {
+      cuda::kv_tensor_map(p, false, head_dim, 10, box);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kUnsupported) << e.what();
+      return e.what();
+    }
+    return "";
+  };
+  KVParams fp8 = kv;
+  fp8.dtype = DType::kFloat8E4M3;
+  EXPECT_NE(refusal(fp8, 128, {16, 1}).find("allowed: bfloat16, float16"), std::string::npos);
+  EXPECT_NE(refusal(kv, 96, {16, 1}).find("head_dim 96"), std::string::npos);
+  EXPECT_NE(refusal(kv, 128, {32, 1}).find("32 slots"), std::string::npos);  // past the page
+  EXPECT_NE(refusal(kv, 128, {16, 300}).find("300 pages"), std::string::npos);
+  KVParams odd = kv;
+  odd.k = reinterpret_cast<const uint8_t*>(cache) + 2;
+  EXPECT_NE(refusal(odd, 128, {16, 1}).find("not 16-byte aligned"), std::string::npos);
+  KVParams narrow = kv;
+  narrow.k_stride_token = 4;  // 8 bytes
+  EXPECT_NE(refusal(narrow, 128, {16, 1}).find("token stride of 8 bytes"), std::string::npos);
 }
 
 // Custom variants (testing/variant_reference.h: sigmoid without softmax, a per-head bias with its own mask, logits

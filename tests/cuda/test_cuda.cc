@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <barrier>
@@ -22,11 +23,13 @@
 #include "backends/cuda/driver_api.h"
 #include "backends/cuda/nccl_api.h"
 #include "backends/cuda/prefill/prefill.h"
+#include "backends/cuda/tma.h"
 #include "jit/nvrtc_compiler.h"
 #include "testing/compare.h"
 #include "testing/device_case.h"
 #include "testing/registry.h"
 #include "testing/variant_reference.h"
+#include "../tma_probe.h"
 #include "../wgmma_probe.h"
 
 using namespace attnforge;
@@ -569,6 +572,112 @@ TEST(CudaWgmma, ProbeProductsMatchFloat64) {
     EXPECT_EQ(bad, 0) << bad << " of " << pr.m * pr.n << " elements outside the bound";
   }
   cudaFree(da), cudaFree(db), cudaFree(dc);
+  ATTNFORGE_CU_CHECK(d.cuModuleUnload(module));
+}
+
+// K/V tiles by the tensor memory accelerator (backends/cuda/tma.h, device/tma.cuh), the groundwork of a copier
+// without per-row work: on a Hopper GPU the probe (tests/tma_probe.h) copies boxes of a random bf16 cache (NHD and
+// HND pages of 4 to 64 tokens with shuffled page ids, half-page boxes, ragged rows from an odd start) into a
+// poisoned tile, and every 16-byte chunk must land where the prefill kernel's wgmma panels hold it: row r's chunk c
+// of panel p at p rows 128 + r 128 + ((c ^ (r % 8)) 16) (panel_bytes).
+TEST(CudaTma, KVBoxesLandAsWgmmaPanels) {
+  int device = 0, major = 0;
+  ASSERT_EQ(cudaSuccess, cudaGetDevice(&device));
+  ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major != 9) GTEST_SKIP() << "the probe is built for sm_90a";
+  ASSERT_EQ(cudaSuccess, cudaFree(nullptr));  // the primary context, current for the driver calls below
+  const jit::CompiledModule m = jit::compile(tma_probe_source());
+  const cuda::DriverApi& d = cuda::driver();
+  CUmodule module;
+  ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, m.binary.data()));
+  CUfunction f;
+  ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&f, module, m.lowered_names[0].c_str()));
+
+  struct Layout {
+    const char* name;
+    bool ragged, hnd;
+    int page_size, head_dim, rows, box_slots, start;  // start: the tile's first token of the request
+  };
+  const Layout layouts[] = {{"NHD page 16, d128", false, false, 16, 128, 128, 16, 0},
+                            {"HND page 16, d64", false, true, 16, 64, 128, 16, 32},
+                            {"NHD page 8, d256", false, false, 8, 256, 64, 8, 8},
+                            {"NHD page 4, d128 (boxes 4 rows apart)", false, false, 4, 128, 128, 4, 12},
+                            {"HND page 64, d128", false, true, 64, 128, 128, 64, 64},
+                            {"NHD page 32, half-page boxes, d128", false, false, 32, 128, 128, 16, 48},
+                            {"ragged, d128, odd start", true, false, 1, 128, 128, 1, 37}};
+  constexpr int kHeads = 8, kHead = 5, kPages = 48;
+  std::mt19937 rng(11);
+  for (const Layout& l : layouts) {
+    SCOPED_TRACE(l.name);
+    const int64_t page_tokens = l.ragged ? 1 : l.page_size;
+    const int64_t num_pages = l.ragged ? 400 : kPages;
+    const int64_t elems = num_pages * page_tokens * kHeads * l.head_dim;
+    std::vector<uint16_t> cache(elems);
+    for (uint16_t& x : cache) x = static_cast<uint16_t>(rng());
+    std::vector<int> perm(kPages);
+    for (int i = 0; i < kPages; ++i) perm[i] = i;
+    std::shuffle(perm.begin(), perm.end(), rng);  // the request's pages, in order
+    KVParams kv{};
+    kv.dtype = DType::kBFloat16;
+    kv.format = l.ragged ? KVFormat::kRagged : KVFormat::kPagedCSR;
+    kv.page_size = static_cast<int32_t>(page_tokens);
+    kv.num_kv_heads = kHeads;
+    const int64_t hd = l.head_dim;
+    kv.k_stride_head = l.hnd ? page_tokens * hd : hd;
+    kv.k_stride_token = l.hnd ? hd : kHeads * hd;
+    kv.k_stride_page = page_tokens * kHeads * hd;
+    // Element (page, slot, head, dim) of the cache; where token r of the tile lives.
+    auto at = [&](int64_t page, int64_t slot, int64_t h, int64_t dim) {
+      return page * kv.k_stride_page + slot * kv.k_stride_token + h * kv.k_stride_head + dim;
+    };
+    auto page_slot = [&](int r) -> std::pair<int64_t, int64_t> {
+      const int t = l.start + r;
+      return l.ragged ? std::pair<int64_t, int64_t>{t, 0} : std::pair<int64_t, int64_t>{perm[t / l.page_size], t % l.page_size};
+    };
+    void* dcache = nullptr;
+    ASSERT_EQ(cudaSuccess, cudaMalloc(&dcache, elems * 2));
+    ASSERT_EQ(cudaSuccess, cudaMemcpy(dcache, cache.data(), elems * 2, cudaMemcpyHostToDevice));
+    kv.k = kv.v = dcache;
+    const cuda::KVBox box = l.ragged ? cuda::KVBox{1, l.rows} : cuda::KVBox{l.box_slots, 1};
+    const cuda::TensorMap map = cuda::kv_tensor_map(kv, false, l.head_dim, num_pages, box);
+    std::vector<int> boxes;  // slot, page, first row
+    const int box_rows = box.slots * box.pages;
+    for (int r = 0; r < l.rows; r += box_rows) {
+      const auto [page, slot] = page_slot(r);
+      boxes.insert(boxes.end(), {static_cast<int>(slot), static_cast<int>(page), r});
+    }
+    const int panels = l.head_dim / 64, bytes = panels * l.rows * 128;
+    ASSERT_LE(bytes, kTmaProbeTileBytes);
+    int* dboxes = nullptr;
+    unsigned char* dout = nullptr;
+    ASSERT_EQ(cudaSuccess, cudaMalloc(&dboxes, boxes.size() * sizeof(int)));
+    ASSERT_EQ(cudaSuccess, cudaMalloc(&dout, bytes));
+    ASSERT_EQ(cudaSuccess, cudaMemcpy(dboxes, boxes.data(), boxes.size() * sizeof(int), cudaMemcpyHostToDevice));
+    ASSERT_EQ(cudaSuccess, cudaMemset(dout, 0x5a, bytes));
+    int num_boxes = static_cast<int>(boxes.size() / 3), rows = l.rows, head = kHead;
+    cuda::TensorMap map_arg = map;
+    int box_rows_arg = box_rows, panels_arg = panels;
+    void* args[] = {&map_arg, &dboxes, &num_boxes, &box_rows_arg, &panels_arg, &rows, &head, &dout};
+    ATTNFORGE_CU_CHECK(d.cuLaunchKernel(f, 1, 1, 1, 128, 1, 1, 0, nullptr, args, nullptr));
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    std::vector<unsigned char> out(bytes);
+    ASSERT_EQ(cudaSuccess, cudaMemcpy(out.data(), dout, bytes, cudaMemcpyDeviceToHost));
+    ASSERT_FALSE(std::all_of(out.begin(), out.end(), [](unsigned char b) { return b == 0xee; }))
+        << "the barrier did not complete: the boxes brought fewer bytes than expected";
+    int bad = 0;
+    for (int p = 0; p < panels; ++p)
+      for (int r = 0; r < l.rows; ++r)
+        for (int c = 0; c < 8; ++c) {
+          const auto [page, slot] = page_slot(r);
+          const unsigned char* got = out.data() + p * l.rows * 128 + r * 128 + ((c ^ (r % 8)) * 16);
+          const uint16_t* want = cache.data() + at(page, slot, kHead, 64 * p + 8 * c);
+          if (std::memcmp(got, want, 16) != 0 && bad++ < 5)
+            ADD_FAILURE() << "panel " << p << ", row " << r << " (page " << page << ", slot " << slot << "), chunk "
+                          << c << ": not the cache's bytes";
+        }
+    EXPECT_EQ(bad, 0);
+    cudaFree(dcache), cudaFree(dboxes), cudaFree(dout);
+  }
   ATTNFORGE_CU_CHECK(d.cuModuleUnload(module));
 }
 

@@ -30,6 +30,7 @@ DriverApi load() {
   resolve(lib, "cuLaunchKernel", &d.cuLaunchKernel);
   resolve(lib, "cuLaunchKernelEx", &d.cuLaunchKernelEx);
   resolve(lib, "cuGetErrorName", &d.cuGetErrorName);
+  resolve(lib, "cuTensorMapEncodeTiled", &d.cuTensorMapEncodeTiled);
   return d;  // the library stays loaded for the life of the process, like the modules loaded through it
 }
 

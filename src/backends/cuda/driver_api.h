@@ -1,6 +1,6 @@
-// The few CUDA driver API calls that load and launch run-time compiled kernels. libcuda is opened with dlopen on
-// first use rather than linked, so the library still loads on machines without a driver (CI compiles kernels
-// there, it launches none). cuda.h supplies the types only.
+// The few CUDA driver API calls that load and launch run-time compiled kernels, and the encoder of tensor maps
+// (tma.h). libcuda is opened with dlopen on first use rather than linked, so the library still loads on machines
+// without a driver (CI compiles kernels there, it launches none). cuda.h supplies the types only.
 #pragma once
 
 #include <cuda.h>
@@ -17,6 +17,9 @@ struct DriverApi {
                              CUstream, void**, void**);
   CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);
   CUresult (*cuGetErrorName)(CUresult, const char**);
+  CUresult (*cuTensorMapEncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                     const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                     CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 };
 
 // Throws Error(kBackend) when libcuda or one of the functions is missing.

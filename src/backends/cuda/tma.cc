@@ -1,0 +1,57 @@
+#include "backends/cuda/tma.h"
+
+#include <cuda.h>
+
+#include "backends/cuda/driver_api.h"
+#include "attnforge/tensor.h"
+#include "core/check.h"
+
+namespace attnforge::cuda {
+
+static_assert(sizeof(TensorMap) == sizeof(CUtensorMap) && alignof(TensorMap) == alignof(CUtensorMap),
+              "TensorMap stands in for CUtensorMap in device code");
+
+TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, int64_t num_pages, KVBox box) {
+  const char* which = value ? "V" : "K";
+  if (kv.dtype != DType::kBFloat16 && kv.dtype != DType::kFloat16)
+    detail::fail(ErrorKind::kUnsupported, "tensor map of {}: dtype {} (allowed: bfloat16, float16)", which,
+                 to_string(kv.dtype));
+  if (head_dim <= 0 || head_dim % 64 != 0)
+    detail::fail(ErrorKind::kUnsupported, "tensor map of {}: head_dim {} (allowed: a multiple of 64)", which,
+                 head_dim);
+  const int page_size = kv.format == KVFormat::kRagged ? 1 : kv.page_size;
+  if (box.slots < 1 || box.slots > 256 || box.slots > page_size || box.pages < 1 || box.pages > 256)
+    detail::fail(ErrorKind::kUnsupported,
+                 "tensor map of {}: a box of {} slots x {} pages (allowed: 1 to min(256, page size {}) slots, 1 to "
+                 "256 pages)",
+                 which, box.slots, box.pages, page_size);
+  if (num_pages < 1) detail::fail(ErrorKind::kUnsupported, "tensor map of {}: {} pages (at least 1)", which, num_pages);
+  const void* base = value ? kv.v : kv.k;
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0)
+    detail::fail(ErrorKind::kUnsupported, "tensor map of {}: address {} is not 16-byte aligned", which, base);
+  const int64_t token = (value ? kv.v_stride_token : kv.k_stride_token) * 2;
+  const int64_t head = (value ? kv.v_stride_head : kv.k_stride_head) * 2;
+  const int64_t page = (value ? kv.v_stride_page : kv.k_stride_page) * 2;
+  for (const auto& [name, bytes] : {std::pair{"token", token}, std::pair{"head", head}, std::pair{"page", page}})
+    if (bytes <= 0 || bytes % 16 != 0 || bytes >= (int64_t{1} << 40))
+      detail::fail(ErrorKind::kUnsupported,
+                   "tensor map of {}: {} stride of {} bytes (allowed: a positive multiple of 16 under 2^40)", which,
+                   name, bytes);
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(page_size),
+                              static_cast<cuuint64_t>(kv.num_kv_heads), static_cast<cuuint64_t>(num_pages)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(token), static_cast<cuuint64_t>(head),
+                                 static_cast<cuuint64_t>(page)};
+  const cuuint32_t box_dims[4] = {64, static_cast<cuuint32_t>(box.slots), 1, static_cast<cuuint32_t>(box.pages)};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  CUtensorMap map;
+  ATTNFORGE_CU_CHECK(driver().cuTensorMapEncodeTiled(
+      &map, kv.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+      const_cast<void*>(base), dims, strides, box_dims, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+  TensorMap out;
+  static_assert(sizeof out == sizeof map);
+  __builtin_memcpy(&out, &map, sizeof out);
+  return out;
+}
+
+}  // namespace attnforge::cuda

@@ -1,0 +1,27 @@
+// Tensor maps of K/V caches for the tensor memory accelerator (device/tma.cuh), encoded on the host through the
+// driver (cuTensorMapEncodeTiled; libcuda through driver_api.h). A cache is seen as one 4-dimensional tensor of
+// 16-bit elements, fastest first: head dims [D], token slots of a page [page_size], KV heads [num_kv_heads], pages
+// [num_pages] (ragged KV: page_size 1 and a page a token), with the layout's strides, so NHD, HND and combined K/V
+// caches all fit. A box is 64 head dims (one wgmma panel row of 128 bytes, in the 128-byte swizzle) of
+// box_slots x box_pages tokens of one KV head; it lands as box_slots x box_pages rows of a panel.
+#pragma once
+
+#include <cstdint>
+
+#include "attnforge/kernel/params.h"
+#include "backends/cuda/device/tensor_map.cuh"
+
+namespace attnforge::cuda {
+
+struct KVBox {
+  int slots = 1;  // tokens of a page a box covers (<= page_size, at most 256)
+  int pages = 1;  // pages a box covers (ragged KV: tokens; at most 256)
+};
+
+// The map of K (value = false) or V of `kv` (16-bit elements, head_dim a multiple of 64) over `num_pages` pages
+// (ragged: rows). Throws Error(kUnsupported) naming the value when the layout cannot be described (an address not
+// 16-byte aligned, a stride not a multiple of 16 bytes, a box over 256 or past the page), Error(kBackend) when the
+// driver refuses it.
+TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, int64_t num_pages, KVBox box);
+
+}  // namespace attnforge::cuda
