@@ -217,6 +217,47 @@ TEST(TmaMaps, LayoutsTheMapCannotDescribeAreRefusedByName) {
   EXPECT_NE(refusal(narrow, 128, {16, 1}).find("token stride of 8 bytes"), std::string::npos);
 }
 
+// Which K/V layouts the Hopper kernel's copier may take by tensor maps (ATTNFORGE_PREFILL_TMA=1), and in boxes of how
+// many tokens: 16-bit pages of 8 tokens or more that divide or are divided by the tile, ragged rows; never fp8, short
+// or odd pages, or strides the accelerator cannot step.
+TEST(TmaMaps, BoxSlotsFollowTheLayout) {
+  alignas(16) static uint16_t cache[64];
+  KVParams kv{};
+  kv.k = kv.v = cache;
+  kv.dtype = DType::kBFloat16;
+  kv.format = KVFormat::kPagedCSR;
+  kv.num_kv_heads = 8, kv.num_pages = 100;
+  auto paged = [&](int page) {
+    KVParams p = kv;
+    p.page_size = page;
+    p.k_stride_head = p.v_stride_head = 128;
+    p.k_stride_token = p.v_stride_token = 8 * 128;
+    p.k_stride_page = p.v_stride_page = int64_t{page} * 8 * 128;
+    return p;
+  };
+  EXPECT_EQ(cuda::kv_tma_box_slots(paged(16), 128), 16);
+  EXPECT_EQ(cuda::kv_tma_box_slots(paged(8), 64), 8);
+  EXPECT_EQ(cuda::kv_tma_box_slots(paged(256), 128), 128);  // two tiles a page
+  EXPECT_EQ(cuda::kv_tma_box_slots(paged(4), 128), 0);      // boxes of fewer than 8 rows
+  EXPECT_EQ(cuda::kv_tma_box_slots(paged(1), 128), 0);
+  EXPECT_EQ(cuda::kv_tma_box_slots(paged(48), 128), 0);     // neither divides the other
+  KVParams fp8 = paged(16);
+  fp8.dtype = DType::kFloat8E4M3;
+  EXPECT_EQ(cuda::kv_tma_box_slots(fp8, 128), 0);
+  KVParams odd = paged(16);
+  odd.v_stride_token = 8 * 128 + 4;  // 8 bytes past a 16-byte multiple
+  EXPECT_EQ(cuda::kv_tma_box_slots(odd, 128), 0);
+  KVParams unsized = paged(16);
+  unsized.num_pages = 0;
+  EXPECT_EQ(cuda::kv_tma_box_slots(unsized, 128), 0);
+  KVParams ragged = kv;
+  ragged.format = KVFormat::kRagged;
+  ragged.page_size = 1;
+  ragged.k_stride_head = ragged.v_stride_head = 128;
+  ragged.k_stride_page = ragged.v_stride_page = 8 * 128;
+  EXPECT_EQ(cuda::kv_tma_box_slots(ragged, 128), 1);
+}
+
 // Custom variants (testing/variant_reference.h: sigmoid without softmax, a per-head bias with its own mask, logits
 // written to a tensor, query/key/output transforms, and the built-in options as hooks) in the decode and prefill
 // kernels, for sm_80 and sm_90a, with NVRTC's -default-device for their plain C++ hooks; names carry the source

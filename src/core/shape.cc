@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "core/check.h"
 
 namespace attnforge::detail {
@@ -95,6 +97,7 @@ KVParams paged_kv_params(const PagedKVCache& kv) {
   p.v_stride_head = kv.v.strides[nhd ? 2 : 1];
   p.k_scale = kv.k_scale;
   p.v_scale = kv.v_scale;
+  p.num_pages = std::min(kv.k.shape[0], kv.v.shape[0]);
   return p;
 }
 

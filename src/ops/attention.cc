@@ -2,6 +2,7 @@
 // Every check happens before anything is written.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -186,6 +187,7 @@ KVParams ragged_params(const AttentionPlan& plan, const RaggedKV& kv) {
   p.page_list_indptr = kv.indptr.ptr<const int32_t>();
   p.k_scale = kv.k_scale;
   p.v_scale = kv.v_scale;
+  p.num_pages = std::min(kv.k.shape[0], kv.v.shape[0]);
   return p;
 }
 

@@ -639,7 +639,7 @@ TEST(CudaTma, KVBoxesLandAsWgmmaPanels) {
     ASSERT_EQ(cudaSuccess, cudaMemcpy(dcache, cache.data(), elems * 2, cudaMemcpyHostToDevice));
     kv.k = kv.v = dcache;
     const cuda::KVBox box = l.ragged ? cuda::KVBox{1, l.rows} : cuda::KVBox{l.box_slots, 1};
-    const cuda::TensorMap map = cuda::kv_tensor_map(kv, false, l.head_dim, num_pages, box);
+    const TensorMap map = cuda::kv_tensor_map(kv, false, l.head_dim, num_pages, box);
     std::vector<int> boxes;  // slot, page, first row
     const int box_rows = box.slots * box.pages;
     for (int r = 0; r < l.rows; r += box_rows) {
@@ -655,7 +655,7 @@ TEST(CudaTma, KVBoxesLandAsWgmmaPanels) {
     ASSERT_EQ(cudaSuccess, cudaMemcpy(dboxes, boxes.data(), boxes.size() * sizeof(int), cudaMemcpyHostToDevice));
     ASSERT_EQ(cudaSuccess, cudaMemset(dout, 0x5a, bytes));
     int num_boxes = static_cast<int>(boxes.size() / 3), rows = l.rows, head = kHead;
-    cuda::TensorMap map_arg = map;
+    TensorMap map_arg = map;
     int box_rows_arg = box_rows, panels_arg = panels;
     void* args[] = {&map_arg, &dboxes, &num_boxes, &box_rows_arg, &panels_arg, &rows, &head, &dout};
     ATTNFORGE_CU_CHECK(d.cuLaunchKernel(f, 1, 1, 1, 128, 1, 1, 0, nullptr, args, nullptr));

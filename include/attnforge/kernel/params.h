@@ -22,6 +22,14 @@ struct KVParams {
   int64_t page_list_stride;         // block table: row stride of the table; otherwise 0
   float k_scale;                    // K is multiplied by this after loading (fp8 scales; 1 otherwise)
   float v_scale;
+  int64_t num_pages;                // pages in K and V (ragged: rows): the extent of tensor maps over them
+};
+
+// CUtensorMap's storage for code that sees no cuda.h (NVRTC, device headers): 128 opaque bytes, encoded on the
+// host (backends/cuda/tma.h) and read by the CUDA tensor memory accelerator (backends/cuda/device/tma.cuh), which
+// needs it 64-byte aligned in the kernel's parameters.
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
 };
 
 // Index of the page (or packed row, for ragged KV) that holds token t of request b.
@@ -124,6 +132,11 @@ struct AttentionParams {
   int32_t item_capacity, merge_capacity, qo_tile;
   int32_t tile_rows;  // the plan's tile_rows: which prefill kernel (CTA rows) serves it
   int32_t max_merge_states;  // the plan's: which shape of merge kernel launch serves it
+  // CUDA, Hopper prefill kernel (ATTNFORGE_PREFILL_TMA): K/V tiles copied by the tensor memory accelerator through
+  // these maps (backends/cuda/tma.h) in boxes of tma_box_slots tokens of a page (ragged KV: a tile's rows in one
+  // box); 0: by cp.async. Set by the CUDA backend at launch, never by the caller.
+  int32_t tma_box_slots;
+  TensorMap tma_k, tma_v;
 };
 
 }  // namespace attnforge

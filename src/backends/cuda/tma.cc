@@ -8,8 +8,8 @@
 
 namespace attnforge::cuda {
 
-static_assert(sizeof(TensorMap) == sizeof(CUtensorMap) && alignof(TensorMap) == alignof(CUtensorMap),
-              "TensorMap stands in for CUtensorMap in device code");
+static_assert(sizeof(TensorMap) == sizeof(CUtensorMap) && alignof(TensorMap) >= 64,
+              "TensorMap stands in for CUtensorMap in device code (the accelerator reads it 64-byte aligned)");
 
 TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, int64_t num_pages, KVBox box) {
   const char* which = value ? "V" : "K";
@@ -29,9 +29,10 @@ TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, int64_t nu
   const void* base = value ? kv.v : kv.k;
   if (reinterpret_cast<uintptr_t>(base) % 16 != 0)
     detail::fail(ErrorKind::kUnsupported, "tensor map of {}: address {} is not 16-byte aligned", which, base);
-  const int64_t token = (value ? kv.v_stride_token : kv.k_stride_token) * 2;
-  const int64_t head = (value ? kv.v_stride_head : kv.k_stride_head) * 2;
   const int64_t page = (value ? kv.v_stride_page : kv.k_stride_page) * 2;
+  // Ragged KV has no token stride (a page is a row, of one slot); the map's slot axis of extent 1 takes the row's.
+  const int64_t token = kv.format == KVFormat::kRagged ? page : (value ? kv.v_stride_token : kv.k_stride_token) * 2;
+  const int64_t head = (value ? kv.v_stride_head : kv.k_stride_head) * 2;
   for (const auto& [name, bytes] : {std::pair{"token", token}, std::pair{"head", head}, std::pair{"page", page}})
     if (bytes <= 0 || bytes % 16 != 0 || bytes >= (int64_t{1} << 40))
       detail::fail(ErrorKind::kUnsupported,
@@ -43,7 +44,7 @@ TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, int64_t nu
                                  static_cast<cuuint64_t>(page)};
   const cuuint32_t box_dims[4] = {64, static_cast<cuuint32_t>(box.slots), 1, static_cast<cuuint32_t>(box.pages)};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  CUtensorMap map;
+  CUtensorMap map;  // 128-byte aligned; copied into TensorMap's bytes below
   ATTNFORGE_CU_CHECK(driver().cuTensorMapEncodeTiled(
       &map, kv.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
       const_cast<void*>(base), dims, strides, box_dims, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,

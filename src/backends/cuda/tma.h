@@ -9,7 +9,6 @@
 #include <cstdint>
 
 #include "attnforge/kernel/params.h"
-#include "backends/cuda/device/tensor_map.cuh"
 
 namespace attnforge::cuda {
 

@@ -3,12 +3,12 @@
 // count. With the 128-byte swizzle, a box whose rows are 64 16-bit elements lands exactly as a wgmma panel
 // (device/wgmma.cuh, panel_bytes in device/tiles.cuh): chunk c of row r at r * 128 + ((c ^ (r % 8)) * 16) from a
 // 1024-byte aligned panel, so K/V tiles can be copied without the copying warpgroup's per-row work.
-// Self-contained for NVRTC (no cuda.h: TensorMap stands in for CUtensorMap).
+// Self-contained for NVRTC (no cuda.h: TensorMap, kernel/params.h, stands in for CUtensorMap).
 #pragma once
 
 #include "attnforge/kernel/types.h"
 #include "backends/cuda/device/ptx.cuh"
-#include "backends/cuda/device/tensor_map.cuh"
+#include "attnforge/kernel/params.h"
 
 namespace attnforge::cuda::tma {
 

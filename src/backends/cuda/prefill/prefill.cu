@@ -15,6 +15,7 @@
 #include "backends/cuda/prefill/prefill.h"
 #include "backends/cuda/prefill/prefill_kernel.cuh"
 #include "backends/cuda/prefill/prefill_wgmma.cuh"
+#include "backends/cuda/tma.h"
 
 namespace attnforge::cuda {
 
@@ -148,7 +149,19 @@ void launch_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t
     case WgmmaForm::kOverlapped:
       if constexpr (D != 256) return launch_wgmma_form<D, Elem, WgmmaForm::kOverlapped>(p, dims, stream);
       [[fallthrough]];
-    default: return launch_wgmma_form<D, Elem, WgmmaForm::kPipelined>(p, dims, stream);
+    default: {
+      // ATTNFORGE_PREFILL_TMA=1: K/V tiles by the tensor memory accelerator where the layout allows it
+      // (kv_tma_box_slots); the maps are encoded into a copy of the parameters for this launch.
+      constexpr int kTileTokens = PrefillWgmmaTraits<D, Elem, WgmmaForm::kPipelined>::kTileTokens;
+      const int slots = prefill_tma() ? kv_tma_box_slots(p.kv, kTileTokens) : 0;
+      if (slots == 0) return launch_wgmma_form<D, Elem, WgmmaForm::kPipelined>(p, dims, stream);
+      AttentionParams tp = p;
+      const KVBox box = p.kv.format == KVFormat::kRagged ? KVBox{1, kTileTokens} : KVBox{slots, 1};
+      tp.tma_k = kv_tensor_map(p.kv, false, D, p.kv.num_pages, box);
+      tp.tma_v = kv_tensor_map(p.kv, true, D, p.kv.num_pages, box);
+      tp.tma_box_slots = slots;
+      return launch_wgmma_form<D, Elem, WgmmaForm::kPipelined>(tp, dims, stream);
+    }
   }
 }
 
@@ -223,6 +236,25 @@ bool prefill_wgmma_serves(int head_dim, int tile_rows) {
 
 int prefill_tile_rows(int head_dim) {
   return prefill_wgmma_serves(head_dim, kPrefillWgmmaRows) ? kPrefillWgmmaRows : prefill_rows(head_dim);
+}
+
+bool prefill_tma() {
+  static const bool on = detail::env_choice("ATTNFORGE_PREFILL_TMA", {"0", "1"}, "0") == "1";
+  return on;
+}
+
+int kv_tma_box_slots(const KVParams& kv, int tile_tokens) {
+  if (kv.dtype != DType::kBFloat16 && kv.dtype != DType::kFloat16) return 0;
+  if (kv.num_pages < 1 || reinterpret_cast<uintptr_t>(kv.k) % 16 != 0 || reinterpret_cast<uintptr_t>(kv.v) % 16 != 0)
+    return 0;
+  const bool ragged = kv.format == KVFormat::kRagged;
+  for (int64_t stride : {kv.k_stride_page, kv.k_stride_head, kv.v_stride_page, kv.v_stride_head,
+                         ragged ? kv.k_stride_page : kv.k_stride_token, ragged ? kv.v_stride_page : kv.v_stride_token})
+    if (stride <= 0 || (stride * 2) % 16 != 0) return 0;
+  if (ragged) return 1;
+  const int page = kv.page_size;
+  if (page < 8 || (page % tile_tokens != 0 && tile_tokens % page != 0)) return 0;
+  return std::min(page, tile_tokens);
 }
 
 int prefill_wgmma_form() {

@@ -16,6 +16,7 @@
 #include "backends/cuda/device/mbarrier.cuh"
 #include "backends/cuda/device/ptx.cuh"
 #include "backends/cuda/device/tiles.cuh"
+#include "backends/cuda/device/tma.cuh"
 #include "backends/cuda/device/wgmma.cuh"
 #include "backends/cuda/prefill/prefill_kernel.cuh"
 
@@ -682,6 +683,9 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   // whose copier loads a tile's V one tile after its K.
   constexpr int kSlots = kOverlap ? S + 1 : S;
   __shared__ longlong2 s_offsets[kSlots * N];
+  // With tensor maps (p.tma_box_slots > 0, the pipelined form): a tile's boxes (token slot, page), a slot a stage;
+  // boxes hold 8 tokens at least.
+  __shared__ int2 s_boxes[S][N / 8];
   // full / empty: a stage's K and V (kOverlap: its K; full_v / empty_v its V).
   __shared__ alignas(8) uint64_t full[S], empty[S], full_v[kOverlap ? S : 1], empty_v[kOverlap ? S : 1];
   uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
@@ -745,15 +749,45 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         loader.template load_offsets<false, true>(t, nullptr, sV + s * Tr::kStageBytes, s_offsets);
         mbar::arrive_on_copies(&full_v[s]);
       };
+      // Tensor maps (the pipelined form, p.tma_box_slots > 0): a tile that lies whole inside the range and starts
+      // on a box boundary is copied by thread 0's box loads, which the stage's full barrier counts by bytes (the
+      // other 127 threads arrive plainly); the item's last, partial tile (zeros past the range) and any other take
+      // the threads' cp.async copies.
+      const bool ragged = kv.format == KVFormat::kRagged;
+      const int box_rows = ragged ? N : p.tma_box_slots;
 #pragma unroll 1
       for (int t = 0; t < num_tiles; ++t, ++count) {
         const int s = count % S;
-        loader.fetch_offsets(t, s_offsets);
+        const int tile0 = range_lo + t * N;
+        const bool by_tma = !kOverlap && p.tma_box_slots > 0 && tile0 + N <= range_hi &&
+                            (ragged || tile0 % p.tma_box_slots == 0);
+        if (!by_tma) {
+          loader.fetch_offsets(t, s_offsets);
+        } else if (static_cast<int>(threadIdx.x) < N / box_rows) {
+          const int token = tile0 + static_cast<int>(threadIdx.x) * box_rows;
+          s_boxes[s][threadIdx.x] = make_int2(loader.slot_of(token), loader.page_of(token));
+        }
         ATTNFORGE_TRACE(tr_now = clock64(); tr_fetch += tr_now - tr_t; tr_t = tr_now;)
         if (count >= S) mbar::wait(&empty[s], ((count / S) & 1) ^ 1);  // the consumers read this stage's last tile
         ATTNFORGE_TRACE(tr_now = clock64(); tr_empty += tr_now - tr_t; tr_t = tr_now;)
         mbar::named_sync(1, 128);
-        if constexpr (kOverlap) {
+        if (by_tma) {
+          if (threadIdx.x == 0) {
+            tma::arrive_expect_tx(&full[s], 2 * Tr::kStageBytes);
+#pragma unroll 1
+            for (int b = 0; b < N / box_rows; ++b) {
+              const int2 box = s_boxes[s][b];
+#pragma unroll
+              for (int panel = 0; panel < D / 64; ++panel) {
+                const int offset = s * Tr::kStageBytes + panel * N * 128 + b * box_rows * 128;
+                tma::load_4d(sK + offset, &p.tma_k, 64 * panel, box.x, kv_head, box.y, &full[s]);
+                tma::load_4d(sV + offset, &p.tma_v, 64 * panel, box.x, kv_head, box.y, &full[s]);
+              }
+            }
+          } else {
+            mbar::arrive(&full[s]);
+          }
+        } else if constexpr (kOverlap) {
           // K one tile ahead of V: tile t's K as soon as its stage's last K has been read (its S done), then tile
           // t - 1's V, whose stage frees only when the P V before it completes, an iteration later.
           loader.template load_offsets<true, false>(t, sK + s * Tr::kStageBytes, nullptr, s_offsets);
@@ -957,7 +991,8 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
 
 // sm_90a only (the host launches it on compute capability 9.0 alone); other targets compile an empty body.
 template <class Tr>
-__global__ void __launch_bounds__(Tr::kThreads, 1) prefill_wgmma_kernel(const AttentionParams p) {
+// __grid_constant__: the tensor maps in p are read by the accelerator where they lie, in the kernel's parameters.
+__global__ void __launch_bounds__(Tr::kThreads, 1) prefill_wgmma_kernel(const __grid_constant__ AttentionParams p) {
   if constexpr (Tr::kForm == WgmmaForm::kPipelined || Tr::kForm == WgmmaForm::kOverlapped)
     prefill_wgmma_pipelined_body<Tr>(p);
   else if constexpr (Tr::kForm == WgmmaForm::kWarpSpecialized)
