@@ -133,6 +133,21 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
   ATTNFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
+// The persistent forms, with ATTNFORGE_PREFILL_TMA=1 their K/V tiles by the tensor memory accelerator where the
+// layout allows it (kv_tma_box_slots): the maps are encoded into a copy of the parameters for this launch.
+template <int D, typename Elem, WgmmaForm kForm>
+void launch_persistent(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
+  constexpr int kTileTokens = PrefillWgmmaTraits<D, Elem, kForm>::kTileTokens;
+  const int slots = prefill_tma() ? kv_tma_box_slots(p.kv, kTileTokens) : 0;
+  if (slots == 0) return launch_wgmma_form<D, Elem, kForm>(p, dims, stream);
+  AttentionParams tp = p;
+  const KVBox box = p.kv.format == KVFormat::kRagged ? KVBox{1, kTileTokens} : KVBox{slots, 1};
+  tp.tma_k = kv_tensor_map(p.kv, false, D, p.kv.num_pages, box);
+  tp.tma_v = kv_tensor_map(p.kv, true, D, p.kv.num_pages, box);
+  tp.tma_box_slots = slots;
+  launch_wgmma_form<D, Elem, kForm>(tp, dims, stream);
+}
+
 template <int D, typename Elem>
 void launch_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
   auto form = form_at<D>(static_cast<WgmmaForm>(prefill_wgmma_form()));
@@ -147,21 +162,9 @@ void launch_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t
       [[fallthrough]];
     case WgmmaForm::kWarpSpecialized: return launch_wgmma_form<D, Elem, WgmmaForm::kWarpSpecialized>(p, dims, stream);
     case WgmmaForm::kOverlapped:
-      if constexpr (D != 256) return launch_wgmma_form<D, Elem, WgmmaForm::kOverlapped>(p, dims, stream);
+      if constexpr (D != 256) return launch_persistent<D, Elem, WgmmaForm::kOverlapped>(p, dims, stream);
       [[fallthrough]];
-    default: {
-      // ATTNFORGE_PREFILL_TMA=1: K/V tiles by the tensor memory accelerator where the layout allows it
-      // (kv_tma_box_slots); the maps are encoded into a copy of the parameters for this launch.
-      constexpr int kTileTokens = PrefillWgmmaTraits<D, Elem, WgmmaForm::kPipelined>::kTileTokens;
-      const int slots = prefill_tma() ? kv_tma_box_slots(p.kv, kTileTokens) : 0;
-      if (slots == 0) return launch_wgmma_form<D, Elem, WgmmaForm::kPipelined>(p, dims, stream);
-      AttentionParams tp = p;
-      const KVBox box = p.kv.format == KVFormat::kRagged ? KVBox{1, kTileTokens} : KVBox{slots, 1};
-      tp.tma_k = kv_tensor_map(p.kv, false, D, p.kv.num_pages, box);
-      tp.tma_v = kv_tensor_map(p.kv, true, D, p.kv.num_pages, box);
-      tp.tma_box_slots = slots;
-      return launch_wgmma_form<D, Elem, WgmmaForm::kPipelined>(tp, dims, stream);
-    }
+    default: return launch_persistent<D, Elem, WgmmaForm::kPipelined>(p, dims, stream);
   }
 }
 

@@ -40,7 +40,7 @@ int prefill_tile_rows(int head_dim);
 // a tile's softmax while the last tile's O += P V runs; not at head_dim 256, which runs "2"; measured 7-13% slower
 // than "2" on the H200 at 1bc07db, kept for study). Read once.
 int prefill_wgmma_form();
-// ATTNFORGE_PREFILL_TMA: "1" copies the Hopper kernel's K/V tiles (pipelined form) with the tensor memory
+// ATTNFORGE_PREFILL_TMA: "1" copies the Hopper kernel's K/V tiles (persistent forms 2 and 3) with the tensor memory
 // accelerator where the layout allows it (kv_tma_box_slots), "0" (the default) with cp.async. Read once.
 bool prefill_tma();
 // The tokens of a page one accelerator box copies for tiles of `tile_tokens` tokens: the page size, or the tile

@@ -683,8 +683,8 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   // whose copier loads a tile's V one tile after its K.
   constexpr int kSlots = kOverlap ? S + 1 : S;
   __shared__ longlong2 s_offsets[kSlots * N];
-  // With tensor maps (p.tma_box_slots > 0, the pipelined form): a tile's boxes (token slot, page), a slot a stage;
-  // boxes hold 8 tokens at least.
+  // With tensor maps (p.tma_box_slots > 0): a tile's boxes (token slot, page), a slot a stage; boxes hold 8 tokens
+  // at least.
   __shared__ int2 s_boxes[S][N / 8];
   // full / empty: a stage's K and V (kOverlap: its K; full_v / empty_v its V).
   __shared__ alignas(8) uint64_t full[S], empty[S], full_v[kOverlap ? S : 1], empty_v[kOverlap ? S : 1];
@@ -743,60 +743,68 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
       KVTileLoader<D, N, 128, kSlots, 2, true> loader(kv, m.b, kv_head, range_lo, range_hi);
       ATTNFORGE_TRACE(long long tr_now = clock64(); tr_range += tr_now - tr_t; tr_t = tr_now; tr_tiles += num_tiles;)
+      // Tensor maps (p.tma_box_slots > 0): a tile that lies whole inside the range and starts on a box boundary is
+      // copied by thread 0's box loads, which the stage's full barrier counts by bytes (the other 127 threads arrive
+      // plainly); the item's last, partial tile (zeros past the range) and any other take the threads' cp.async.
+      const bool ragged = kv.format == KVFormat::kRagged;
+      const int box_rows = ragged ? N : p.tma_box_slots;
+      auto by_tma = [&](int t) {
+        const int tile0 = range_lo + t * N;
+        return p.tma_box_slots > 0 && tile0 + N <= range_hi && (ragged || tile0 % p.tma_box_slots == 0);
+      };
+      // Thread 0: tile t's boxes (fetched into s_boxes[s]) of K and/or V into stage s, counted on `bar`.
+      auto issue_boxes = [&](int s, bool k, bool v, uint64_t* bar) {
+        tma::arrive_expect_tx(bar, (k + v) * Tr::kStageBytes);
+#pragma unroll 1
+        for (int b = 0; b < N / box_rows; ++b) {
+          const int2 box = s_boxes[s][b];
+#pragma unroll
+          for (int panel = 0; panel < D / 64; ++panel) {
+            const int offset = s * Tr::kStageBytes + panel * N * 128 + b * box_rows * 128;
+            if (k) tma::load_4d(sK + offset, &p.tma_k, 64 * panel, box.x, kv_head, box.y, bar);
+            if (v) tma::load_4d(sV + offset, &p.tma_v, 64 * panel, box.x, kv_head, box.y, bar);
+          }
+        }
+      };
       // kOverlap: tile t's V (stage s, use `use`) once the computing warpgroups' P V of the stage's last tile is done.
       auto load_v = [&](int t, int s, uint32_t use) {
         if (use > 0) mbar::wait(&empty_v[s], (use & 1) ^ 1);
-        loader.template load_offsets<false, true>(t, nullptr, sV + s * Tr::kStageBytes, s_offsets);
-        mbar::arrive_on_copies(&full_v[s]);
+        if (!by_tma(t)) {
+          loader.template load_offsets<false, true>(t, nullptr, sV + s * Tr::kStageBytes, s_offsets);
+          mbar::arrive_on_copies(&full_v[s]);
+        } else if (threadIdx.x == 0) {
+          issue_boxes(s, false, true, &full_v[s]);
+        } else {
+          mbar::arrive(&full_v[s]);
+        }
       };
-      // Tensor maps (the pipelined form, p.tma_box_slots > 0): a tile that lies whole inside the range and starts
-      // on a box boundary is copied by thread 0's box loads, which the stage's full barrier counts by bytes (the
-      // other 127 threads arrive plainly); the item's last, partial tile (zeros past the range) and any other take
-      // the threads' cp.async copies.
-      const bool ragged = kv.format == KVFormat::kRagged;
-      const int box_rows = ragged ? N : p.tma_box_slots;
 #pragma unroll 1
       for (int t = 0; t < num_tiles; ++t, ++count) {
         const int s = count % S;
-        const int tile0 = range_lo + t * N;
-        const bool by_tma = !kOverlap && p.tma_box_slots > 0 && tile0 + N <= range_hi &&
-                            (ragged || tile0 % p.tma_box_slots == 0);
-        if (!by_tma) {
+        const bool tma_tile = by_tma(t);
+        if (!tma_tile) {
           loader.fetch_offsets(t, s_offsets);
         } else if (static_cast<int>(threadIdx.x) < N / box_rows) {
-          const int token = tile0 + static_cast<int>(threadIdx.x) * box_rows;
+          const int token = range_lo + t * N + static_cast<int>(threadIdx.x) * box_rows;
           s_boxes[s][threadIdx.x] = make_int2(loader.slot_of(token), loader.page_of(token));
         }
         ATTNFORGE_TRACE(tr_now = clock64(); tr_fetch += tr_now - tr_t; tr_t = tr_now;)
         if (count >= S) mbar::wait(&empty[s], ((count / S) & 1) ^ 1);  // the consumers read this stage's last tile
         ATTNFORGE_TRACE(tr_now = clock64(); tr_empty += tr_now - tr_t; tr_t = tr_now;)
         mbar::named_sync(1, 128);
-        if (by_tma) {
-          if (threadIdx.x == 0) {
-            tma::arrive_expect_tx(&full[s], 2 * Tr::kStageBytes);
-#pragma unroll 1
-            for (int b = 0; b < N / box_rows; ++b) {
-              const int2 box = s_boxes[s][b];
-#pragma unroll
-              for (int panel = 0; panel < D / 64; ++panel) {
-                const int offset = s * Tr::kStageBytes + panel * N * 128 + b * box_rows * 128;
-                tma::load_4d(sK + offset, &p.tma_k, 64 * panel, box.x, kv_head, box.y, &full[s]);
-                tma::load_4d(sV + offset, &p.tma_v, 64 * panel, box.x, kv_head, box.y, &full[s]);
-              }
-            }
-          } else {
-            mbar::arrive(&full[s]);
-          }
-        } else if constexpr (kOverlap) {
-          // K one tile ahead of V: tile t's K as soon as its stage's last K has been read (its S done), then tile
-          // t - 1's V, whose stage frees only when the P V before it completes, an iteration later.
-          loader.template load_offsets<true, false>(t, sK + s * Tr::kStageBytes, nullptr, s_offsets);
+        // kOverlap: K one tile ahead of V: tile t's K as soon as its stage's last K has been read (its S done),
+        // then tile t - 1's V, whose stage frees only when the P V before it completes, an iteration later.
+        if (!tma_tile) {
+          loader.template load_offsets<true, !kOverlap>(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes,
+                                                        s_offsets);
           mbar::arrive_on_copies(&full[s]);
-          if (t > 0) load_v(t - 1, (count - 1) % S, (count - 1) / S);
+        } else if (threadIdx.x == 0) {
+          issue_boxes(s, true, !kOverlap, &full[s]);
         } else {
-          loader.load_offsets(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes, s_offsets);
-          mbar::arrive_on_copies(&full[s]);
+          mbar::arrive(&full[s]);
         }
+        if constexpr (kOverlap)
+          if (t > 0) load_v(t - 1, (count - 1) % S, (count - 1) / S);
         ATTNFORGE_TRACE(tr_now = clock64(); tr_load += tr_now - tr_t; tr_t = tr_now;)
       }
       if constexpr (kOverlap)
