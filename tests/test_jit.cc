@@ -256,6 +256,13 @@ TEST(TmaMaps, BoxSlotsFollowTheLayout) {
   ragged.k_stride_head = ragged.v_stride_head = 128;
   ragged.k_stride_page = ragged.v_stride_page = 8 * 128;
   EXPECT_EQ(cuda::kv_tma_box_slots(ragged, 128), 1);
+  // The map's axis order follows the strides: NHD's heads (the smaller stride) before its slots, HND's after.
+  EXPECT_TRUE(cuda::kv_heads_inner(paged(16), false));
+  KVParams hnd = paged(16);
+  hnd.v_stride_token = 128, hnd.v_stride_head = 16 * 128;
+  EXPECT_FALSE(cuda::kv_heads_inner(hnd, true));
+  EXPECT_TRUE(cuda::kv_heads_inner(hnd, false));  // K keeps its own (NHD) strides
+  EXPECT_TRUE(cuda::kv_heads_inner(ragged, true));
 }
 
 // Custom variants (testing/variant_reference.h: sigmoid without softmax, a per-head bias with its own mask, logits

@@ -4,7 +4,8 @@
 // Hopper prefill kernel's panels expect each row's 16-byte chunks (panel_bytes, device/tiles.cuh).
 //   tma_probe_tile: one CTA of 128 threads poisons a tile of `rows` rows x `panels` 64-element panels in shared
 //   memory, copies the listed boxes of KV head `head` into it (every panel of each), and writes the tile's bytes
-//   as they lie to `out`. boxes: 3 ints a box (token slot, page, first row of the tile). If the barrier does not
+//   as they lie to `out`. boxes: 3 ints a box (token slot, page, first row of the tile); heads_inner: the map's
+//   coordinates are (dim, head, slot, page), else (dim, slot, head, page) (kv_heads_inner). If the barrier does not
 //   complete (the boxes' bytes fall short of the count expected), `out` gets 0xee bytes instead.
 #pragma once
 
@@ -29,7 +30,7 @@ using namespace attnforge::cuda;
 
 __global__ void __launch_bounds__(128) tma_probe_tile(const __grid_constant__ TensorMap map, const int* boxes,
                                                       int num_boxes, int box_rows, int panels, int rows, int head,
-                                                      unsigned char* out) {
+                                                      int heads_inner, unsigned char* out) {
   __shared__ __align__(1024) unsigned char tile[32768];
   __shared__ __align__(8) uint64_t bar;
   const int bytes = panels * rows * 128;
@@ -44,8 +45,8 @@ __global__ void __launch_bounds__(128) tma_probe_tile(const __grid_constant__ Te
     tma::arrive_expect_tx(&bar, static_cast<uint32_t>(num_boxes * panels * box_rows * 128));
     for (int b = 0; b < num_boxes; ++b)
       for (int p = 0; p < panels; ++p)
-        tma::load_4d(tile + p * rows * 128 + boxes[3 * b + 2] * 128, &map, 64 * p, boxes[3 * b], head,
-                     boxes[3 * b + 1], &bar);
+        tma::load_4d(tile + p * rows * 128 + boxes[3 * b + 2] * 128, &map, 64 * p,
+                     heads_inner ? head : boxes[3 * b], heads_inner ? boxes[3 * b] : head, boxes[3 * b + 1], &bar);
   }
   uint32_t done = 0;
   for (int i = 0; i < (1 << 20) && !done; ++i)

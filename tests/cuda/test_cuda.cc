@@ -656,8 +656,9 @@ TEST(CudaTma, KVBoxesLandAsWgmmaPanels) {
     ASSERT_EQ(cudaSuccess, cudaMemset(dout, 0x5a, bytes));
     int num_boxes = static_cast<int>(boxes.size() / 3), rows = l.rows, head = kHead;
     TensorMap map_arg = map;
-    int box_rows_arg = box_rows, panels_arg = panels;
-    void* args[] = {&map_arg, &dboxes, &num_boxes, &box_rows_arg, &panels_arg, &rows, &head, &dout};
+    int box_rows_arg = box_rows, panels_arg = panels, heads_inner = cuda::kv_heads_inner(kv, false) ? 1 : 0;
+    EXPECT_EQ(heads_inner, l.ragged || !l.hnd);  // the axis with the smaller stride first
+    void* args[] = {&map_arg, &dboxes, &num_boxes, &box_rows_arg, &panels_arg, &rows, &head, &heads_inner, &dout};
     ATTNFORGE_CU_CHECK(d.cuLaunchKernel(f, 1, 1, 1, 128, 1, 1, 0, nullptr, args, nullptr));
     ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
     std::vector<unsigned char> out(bytes);

@@ -136,6 +136,7 @@ struct AttentionParams {
   // these maps (backends/cuda/tma.h) in boxes of tma_box_slots tokens of a page (ragged KV: a tile's rows in one
   // box); 0: by cp.async. Set by the CUDA backend at launch, never by the caller.
   int32_t tma_box_slots;
+  int32_t tma_heads_inner;  // bit 0: K's map has the KV-head axis before the slot axis (tma.h); bit 1: V's
   TensorMap tma_k, tma_v;
 };
 

@@ -38,11 +38,15 @@ TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, int64_t nu
       detail::fail(ErrorKind::kUnsupported,
                    "tensor map of {}: {} stride of {} bytes (allowed: a positive multiple of 16 under 2^40)", which,
                    name, bytes);
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(page_size),
-                              static_cast<cuuint64_t>(kv.num_kv_heads), static_cast<cuuint64_t>(num_pages)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(token), static_cast<cuuint64_t>(head),
-                                 static_cast<cuuint64_t>(page)};
-  const cuuint32_t box_dims[4] = {64, static_cast<cuuint32_t>(box.slots), 1, static_cast<cuuint32_t>(box.pages)};
+  const auto slots = static_cast<cuuint64_t>(page_size), heads = static_cast<cuuint64_t>(kv.num_kv_heads);
+  const auto box_slots = static_cast<cuuint32_t>(box.slots);
+  const bool inner = kv_heads_inner(kv, value);
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), inner ? heads : slots, inner ? slots : heads,
+                              static_cast<cuuint64_t>(num_pages)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(inner ? head : token),
+                                 static_cast<cuuint64_t>(inner ? token : head), static_cast<cuuint64_t>(page)};
+  const cuuint32_t box_dims[4] = {64, inner ? 1u : box_slots, inner ? box_slots : 1u,
+                                  static_cast<cuuint32_t>(box.pages)};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   CUtensorMap map;  // 128-byte aligned; copied into TensorMap's bytes below
   ATTNFORGE_CU_CHECK(driver().cuTensorMapEncodeTiled(
@@ -53,6 +57,11 @@ TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, int64_t nu
   static_assert(sizeof out == sizeof map);
   __builtin_memcpy(&out, &map, sizeof out);
   return out;
+}
+
+bool kv_heads_inner(const KVParams& kv, bool value) {
+  if (kv.format == KVFormat::kRagged) return true;  // a row holds every head
+  return value ? kv.v_stride_head < kv.v_stride_token : kv.k_stride_head < kv.k_stride_token;
 }
 
 }  // namespace attnforge::cuda

@@ -1,9 +1,11 @@
 // Tensor maps of K/V caches for the tensor memory accelerator (device/tma.cuh), encoded on the host through the
 // driver (cuTensorMapEncodeTiled; libcuda through driver_api.h). A cache is seen as one 4-dimensional tensor of
-// 16-bit elements, fastest first: head dims [D], token slots of a page [page_size], KV heads [num_kv_heads], pages
-// [num_pages] (ragged KV: page_size 1 and a page a token), with the layout's strides, so NHD, HND and combined K/V
-// caches all fit. A box is 64 head dims (one wgmma panel row of 128 bytes, in the 128-byte swizzle) of
-// box_slots x box_pages tokens of one KV head; it lands as box_slots x box_pages rows of a panel.
+// 16-bit elements, fastest first: head dims [D], then token slots of a page [page_size] and KV heads
+// [num_kv_heads] in the order of their strides (HND: slots first; NHD and ragged: heads first, kv_heads_inner), then
+// pages [num_pages] (ragged KV: page_size 1 and a page a row), so NHD, HND and combined K/V caches all fit with
+// strides that grow. A box is 64 head dims (one wgmma panel row of 128 bytes, in the 128-byte swizzle) of
+// box_slots x box_pages tokens of one KV head; it lands as box_slots x box_pages rows of a panel. Its coordinates:
+// (dim, head, slot, page) where kv_heads_inner, else (dim, slot, head, page).
 #pragma once
 
 #include <cstdint>
@@ -22,5 +24,7 @@ struct KVBox {
 // 16-byte aligned, a stride not a multiple of 16 bytes, a box over 256 or past the page), Error(kBackend) when the
 // driver refuses it.
 TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, int64_t num_pages, KVBox box);
+// Whether K's (value = false) or V's map puts the KV-head axis before the slot axis: its head stride is the smaller.
+bool kv_heads_inner(const KVParams& kv, bool value);
 
 }  // namespace attnforge::cuda

@@ -752,17 +752,23 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         const int tile0 = range_lo + t * N;
         return p.tma_box_slots > 0 && tile0 + N <= range_hi && (ragged || tile0 % p.tma_box_slots == 0);
       };
-      // Thread 0: tile t's boxes (fetched into s_boxes[s]) of K and/or V into stage s, counted on `bar`.
+      // Thread 0: tile t's boxes (fetched into s_boxes[s]) of K and/or V into stage s, counted on `bar`. A map's
+      // second and third coordinates are (KV head, slot) where its head axis is the inner one (tma.h), else swapped.
       auto issue_boxes = [&](int s, bool k, bool v, uint64_t* bar) {
         tma::arrive_expect_tx(bar, (k + v) * Tr::kStageBytes);
+        const bool k_inner = p.tma_heads_inner & 1, v_inner = p.tma_heads_inner & 2;
 #pragma unroll 1
         for (int b = 0; b < N / box_rows; ++b) {
           const int2 box = s_boxes[s][b];
 #pragma unroll
           for (int panel = 0; panel < D / 64; ++panel) {
             const int offset = s * Tr::kStageBytes + panel * N * 128 + b * box_rows * 128;
-            if (k) tma::load_4d(sK + offset, &p.tma_k, 64 * panel, box.x, kv_head, box.y, bar);
-            if (v) tma::load_4d(sV + offset, &p.tma_v, 64 * panel, box.x, kv_head, box.y, bar);
+            if (k)
+              tma::load_4d(sK + offset, &p.tma_k, 64 * panel, k_inner ? kv_head : box.x, k_inner ? box.x : kv_head,
+                           box.y, bar);
+            if (v)
+              tma::load_4d(sV + offset, &p.tma_v, 64 * panel, v_inner ? kv_head : box.x, v_inner ? box.x : kv_head,
+                           box.y, bar);
           }
         }
       };
