@@ -182,18 +182,25 @@ TEST(JitCompile, TmaProbeKernelForSm90a) {
   EXPECT_EQ(m.log.find("spill"), std::string::npos) << m.log;
 }
 
-// K/V layouts a tensor map cannot describe are refused before the driver is asked (no GPU or driver needed), each
-// error naming the value and what is allowed.
-TEST(TmaMaps, LayoutsTheMapCannotDescribeAreRefusedByName) {
+// A bf16 NHD paged cache of 8 KV heads of head_dim 128 and pages of `page` tokens, for the tensor-map checks (no
+// memory behind it but a 16-byte aligned address).
+KVParams nhd_paged_kv(int page) {
   alignas(16) static uint16_t cache[64];
   KVParams kv{};
   kv.k = kv.v = cache;
   kv.dtype = DType::kBFloat16;
   kv.format = KVFormat::kPagedCSR;
-  kv.page_size = 16, kv.num_kv_heads = 8;
+  kv.page_size = page, kv.num_kv_heads = 8, kv.num_pages = 100;
   kv.k_stride_head = kv.v_stride_head = 128;
   kv.k_stride_token = kv.v_stride_token = 8 * 128;
-  kv.k_stride_page = kv.v_stride_page = 16 * 8 * 128;
+  kv.k_stride_page = kv.v_stride_page = int64_t{page} * 8 * 128;
+  return kv;
+}
+
+// K/V layouts a tensor map cannot describe are refused before the driver is asked (no GPU or driver needed), each
+// error naming the value and what is allowed.
+TEST(TmaMaps, LayoutsTheMapCannotDescribeAreRefusedByName) {
+  const KVParams kv = nhd_paged_kv(16);
   auto refusal = [](const KVParams& p, int head_dim, cuda::KVBox box) -> std::string {
     try {
       cuda::kv_tensor_map(p, false, head_dim, 10, box);
@@ -210,7 +217,7 @@ TEST(TmaMaps, LayoutsTheMapCannotDescribeAreRefusedByName) {
   EXPECT_NE(refusal(kv, 128, {32, 1}).find("32 slots"), std::string::npos);  // past the page
   EXPECT_NE(refusal(kv, 128, {16, 300}).find("300 pages"), std::string::npos);
   KVParams odd = kv;
-  odd.k = reinterpret_cast<const uint8_t*>(cache) + 2;
+  odd.k = static_cast<const uint8_t*>(kv.k) + 2;
   EXPECT_NE(refusal(odd, 128, {16, 1}).find("not 16-byte aligned"), std::string::npos);
   KVParams narrow = kv;
   narrow.k_stride_token = 4;  // 8 bytes
@@ -221,20 +228,7 @@ TEST(TmaMaps, LayoutsTheMapCannotDescribeAreRefusedByName) {
 // many tokens: 16-bit pages of 8 tokens or more that divide or are divided by the tile, ragged rows; never fp8, short
 // or odd pages, or strides the accelerator cannot step.
 TEST(TmaMaps, BoxSlotsFollowTheLayout) {
-  alignas(16) static uint16_t cache[64];
-  KVParams kv{};
-  kv.k = kv.v = cache;
-  kv.dtype = DType::kBFloat16;
-  kv.format = KVFormat::kPagedCSR;
-  kv.num_kv_heads = 8, kv.num_pages = 100;
-  auto paged = [&](int page) {
-    KVParams p = kv;
-    p.page_size = page;
-    p.k_stride_head = p.v_stride_head = 128;
-    p.k_stride_token = p.v_stride_token = 8 * 128;
-    p.k_stride_page = p.v_stride_page = int64_t{page} * 8 * 128;
-    return p;
-  };
+  const auto paged = nhd_paged_kv;
   EXPECT_EQ(cuda::kv_tma_box_slots(paged(16), 128), 16);
   EXPECT_EQ(cuda::kv_tma_box_slots(paged(8), 64), 8);
   EXPECT_EQ(cuda::kv_tma_box_slots(paged(256), 128), 128);  // two tiles a page
@@ -250,7 +244,7 @@ TEST(TmaMaps, BoxSlotsFollowTheLayout) {
   KVParams unsized = paged(16);
   unsized.num_pages = 0;
   EXPECT_EQ(cuda::kv_tma_box_slots(unsized, 128), 0);
-  KVParams ragged = kv;
+  KVParams ragged = paged(1);
   ragged.format = KVFormat::kRagged;
   ragged.page_size = 1;
   ragged.k_stride_head = ragged.v_stride_head = 128;
