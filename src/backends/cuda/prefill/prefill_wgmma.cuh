@@ -683,9 +683,10 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   // whose copier loads a tile's V one tile after its K.
   constexpr int kSlots = kOverlap ? S + 1 : S;
   __shared__ longlong2 s_offsets[kSlots * N];
-  // With tensor maps (p.tma_box_slots > 0): a tile's boxes (token slot, page), a slot a stage; boxes hold 8 tokens
-  // at least.
-  __shared__ int2 s_boxes[S][N / 8];
+  // With tensor maps (p.tma_box_slots > 0): a tile's boxes (token slot, page) in slot t % kSlots, as its offsets
+  // (kOverlap: tile t - 1's V boxes are issued after the other copier threads may have fetched tile t + 1's); boxes
+  // hold 8 tokens at least.
+  __shared__ int2 s_boxes[kSlots][N / 8];
   // full / empty: a stage's K and V (kOverlap: its K; full_v / empty_v its V).
   __shared__ alignas(8) uint64_t full[S], empty[S], full_v[kOverlap ? S : 1], empty_v[kOverlap ? S : 1];
   uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
@@ -752,14 +753,15 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         const int tile0 = range_lo + t * N;
         return p.tma_box_slots > 0 && tile0 + N <= range_hi && (ragged || tile0 % p.tma_box_slots == 0);
       };
-      // Thread 0: tile t's boxes (fetched into s_boxes[s]) of K and/or V into stage s, counted on `bar`. A map's
-      // second and third coordinates are (KV head, slot) where its head axis is the inner one (tma.h), else swapped.
-      auto issue_boxes = [&](int s, bool k, bool v, uint64_t* bar) {
+      // Thread 0: tile t's boxes (fetched into s_boxes[t % kSlots]) of K and/or V into stage s, counted on `bar`. A
+      // map's second and third coordinates are (KV head, slot) where its head axis is the inner one (tma.h), else
+      // swapped.
+      auto issue_boxes = [&](int t, int s, bool k, bool v, uint64_t* bar) {
         tma::arrive_expect_tx(bar, (k + v) * Tr::kStageBytes);
         const bool k_inner = p.tma_heads_inner & 1, v_inner = p.tma_heads_inner & 2;
 #pragma unroll 1
         for (int b = 0; b < N / box_rows; ++b) {
-          const int2 box = s_boxes[s][b];
+          const int2 box = s_boxes[t % kSlots][b];
 #pragma unroll
           for (int panel = 0; panel < D / 64; ++panel) {
             const int offset = s * Tr::kStageBytes + panel * N * 128 + b * box_rows * 128;
@@ -779,7 +781,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
           loader.template load_offsets<false, true>(t, nullptr, sV + s * Tr::kStageBytes, s_offsets);
           mbar::arrive_on_copies(&full_v[s]);
         } else if (threadIdx.x == 0) {
-          issue_boxes(s, false, true, &full_v[s]);
+          issue_boxes(t, s, false, true, &full_v[s]);
         } else {
           mbar::arrive(&full_v[s]);
         }
@@ -792,7 +794,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
           loader.fetch_offsets(t, s_offsets);
         } else if (static_cast<int>(threadIdx.x) < N / box_rows) {
           const int token = range_lo + t * N + static_cast<int>(threadIdx.x) * box_rows;
-          s_boxes[s][threadIdx.x] = make_int2(loader.slot_of(token), loader.page_of(token));
+          s_boxes[t % kSlots][threadIdx.x] = make_int2(loader.slot_of(token), loader.page_of(token));
         }
         ATTNFORGE_TRACE(tr_now = clock64(); tr_fetch += tr_now - tr_t; tr_t = tr_now;)
         if (count >= S) mbar::wait(&empty[s], ((count / S) & 1) ^ 1);  // the consumers read this stage's last tile
@@ -805,7 +807,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
                                                         s_offsets);
           mbar::arrive_on_copies(&full[s]);
         } else if (threadIdx.x == 0) {
-          issue_boxes(s, true, !kOverlap, &full[s]);
+          issue_boxes(t, s, true, !kOverlap, &full[s]);
         } else {
           mbar::arrive(&full[s]);
         }
