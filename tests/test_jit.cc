@@ -224,7 +224,7 @@ TEST(TmaMaps, LayoutsTheMapCannotDescribeAreRefusedByName) {
   EXPECT_NE(refusal(narrow, 128, {16, 1}).find("token stride of 8 bytes"), std::string::npos);
 }
 
-// Which K/V layouts the Hopper kernel's copier may take by tensor maps (ATTNFORGE_PREFILL_TMA=1), and in boxes of how
+// Which K/V layouts the Hopper kernel's copier may take by tensor maps (prefill_tma), and in boxes of how
 // many tokens: 16-bit pages of 8 tokens or more that divide or are divided by the tile, ragged rows; never fp8, short
 // or odd pages, or strides the accelerator cannot step.
 TEST(TmaMaps, BoxSlotsFollowTheLayout) {

@@ -309,11 +309,13 @@ TEST(CudaLarge, PrefillShapes) {
 }
 
 // Small causal prefill batches for compute-sanitizer: 6 query heads over 2 KV heads (a group of 3), split KV with
-// merges (64 workers), an empty request, a partial last page, spare pages poisoned.
+// merges (64 workers), an empty request, a partial last page, spare pages poisoned (paged K/V).
 std::string run_small_causal_prefill(int32_t head_dim, int32_t page_size, std::vector<int32_t> qo,
-                                     std::vector<int32_t> kv, uint64_t seed) {
+                                     std::vector<int32_t> kv, uint64_t seed,
+                                     KVFormat format = KVFormat::kPagedCSR) {
   CaseSpec s;
   s.kind = PlanKind::kPrefill;
+  s.format = format;
   s.num_qo_heads = 6, s.num_kv_heads = 2, s.head_dim_qk = head_dim, s.page_size = page_size;
   s.qo_lens = std::move(qo);
   s.kv_lens = std::move(kv);
@@ -334,6 +336,13 @@ TEST(CudaPrefillSmall, SplitCausalPaged) {
 // The same at head_dim 256 (the Hopper kernel's 128-row tiles there, one Q buffer), under the sanitizers too.
 TEST(CudaPrefillSmall, HeadDim256CausalPaged) {
   const std::string error = run_small_causal_prefill(256, 5, {200, 0, 131}, {410, 7, 131}, 43);
+  EXPECT_TRUE(error.empty()) << error;
+}
+
+// Ragged K/V, whose whole tiles the Hopper kernel's copier takes as tensor-map boxes by default (prefill.h:
+// prefill_tma) and whose partial ones by cp.async: requests of 300 and 131 rows, both kinds of tile, sanitized.
+TEST(CudaPrefillSmall, RaggedCausal) {
+  const std::string error = run_small_causal_prefill(128, 1, {300, 0, 131}, {300, 0, 131}, 47, KVFormat::kRagged);
   EXPECT_TRUE(error.empty()) << error;
 }
 

@@ -133,12 +133,15 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
   ATTNFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
-// The persistent forms, with ATTNFORGE_PREFILL_TMA=1 their K/V tiles by the tensor memory accelerator where the
-// layout allows it (kv_tma_box_slots): the maps are encoded into a copy of the parameters for this launch.
+// The persistent forms, their K/V tiles by the tensor memory accelerator where ATTNFORGE_PREFILL_TMA takes the
+// format (prefill_tma: ragged K/V by default) and the layout allows it (kv_tma_box_slots): the maps are encoded
+// into a copy of the parameters for this launch.
 template <int D, typename Elem, WgmmaForm kForm>
 void launch_persistent(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
   constexpr int kTileTokens = PrefillWgmmaTraits<D, Elem, kForm>::kTileTokens;
-  const int slots = prefill_tma() ? kv_tma_box_slots(p.kv, kTileTokens) : 0;
+  const PrefillTma mode = prefill_tma();
+  const bool wanted = mode == PrefillTma::kAll || (mode == PrefillTma::kRagged && p.kv.format == KVFormat::kRagged);
+  const int slots = wanted ? kv_tma_box_slots(p.kv, kTileTokens) : 0;
   if (slots == 0) return launch_wgmma_form<D, Elem, kForm>(p, dims, stream);
   AttentionParams tp = p;
   const KVBox box = p.kv.format == KVFormat::kRagged ? KVBox{1, kTileTokens} : KVBox{slots, 1};
@@ -242,9 +245,12 @@ int prefill_tile_rows(int head_dim) {
   return prefill_wgmma_serves(head_dim, kPrefillWgmmaRows) ? kPrefillWgmmaRows : prefill_rows(head_dim);
 }
 
-bool prefill_tma() {
-  static const bool on = detail::env_choice("ATTNFORGE_PREFILL_TMA", {"0", "1"}, "0") == "1";
-  return on;
+PrefillTma prefill_tma() {
+  static const PrefillTma mode = [] {
+    const std::string v = detail::env_choice("ATTNFORGE_PREFILL_TMA", {"auto", "0", "1"}, "auto");
+    return v == "1" ? PrefillTma::kAll : v == "0" ? PrefillTma::kOff : PrefillTma::kRagged;
+  }();
+  return mode;
 }
 
 int kv_tma_box_slots(const KVParams& kv, int tile_tokens) {

@@ -40,9 +40,12 @@ int prefill_tile_rows(int head_dim);
 // a tile's softmax while the last tile's O += P V runs; not at head_dim 256, which runs "2"; measured 7-13% slower
 // than "2" on the H200 at 1bc07db, kept for study). Read once.
 int prefill_wgmma_form();
-// ATTNFORGE_PREFILL_TMA: "1" copies the Hopper kernel's K/V tiles (persistent forms 2 and 3) with the tensor memory
-// accelerator where the layout allows it (kv_tma_box_slots), "0" (the default) with cp.async. Read once.
-bool prefill_tma();
+// Which K/V the Hopper kernel's persistent forms (2 and 3) copy with the tensor memory accelerator, where the
+// layout allows it (kv_tma_box_slots), rather than with cp.async: ATTNFORGE_PREFILL_TMA "auto" (the default,
+// kRagged: a tile's rows are one box per 64-dim panel), "1" (kAll: paged K/V too, a box per page; measured 18%
+// slower than cp.async with 16-token pages on the H200 at e4daea1, ragged 9-12% faster) or "0" (kOff). Read once.
+enum class PrefillTma { kOff, kRagged, kAll };
+PrefillTma prefill_tma();
 // The tokens of a page one accelerator box copies for tiles of `tile_tokens` tokens: the page size, or the tile
 // where pages are longer, for 16-bit paged K/V whose pages hold 8 tokens or more and divide or are divided by the
 // tile, with 16-byte aligned addresses and strides; 1 for ragged K/V (a tile's rows in one box); 0 where the
