@@ -203,7 +203,7 @@ TEST(TmaMaps, LayoutsTheMapCannotDescribeAreRefusedByName) {
   const KVParams kv = nhd_paged_kv(16);
   auto refusal = [](const KVParams& p, int head_dim, cuda::KVBox box) -> std::string {
     try {
-      cuda::kv_tensor_map(p, false, head_dim, 10, box);
+      cuda::kv_tensor_map(p, false, head_dim, box);
     } catch (const Error& e) {
       EXPECT_EQ(e.kind(), ErrorKind::kUnsupported) << e.what();
       return e.what();

@@ -648,7 +648,8 @@ TEST(CudaTma, KVBoxesLandAsWgmmaPanels) {
     ASSERT_EQ(cudaSuccess, cudaMemcpy(dcache, cache.data(), elems * 2, cudaMemcpyHostToDevice));
     kv.k = kv.v = dcache;
     const cuda::KVBox box = l.ragged ? cuda::KVBox{1, l.rows} : cuda::KVBox{l.box_slots, 1};
-    const TensorMap map = cuda::kv_tensor_map(kv, false, l.head_dim, num_pages, box);
+    kv.num_pages = num_pages;
+    const TensorMap map = cuda::kv_tensor_map(kv, false, l.head_dim, box);
     std::vector<int> boxes;  // slot, page, first row
     const int box_rows = box.slots * box.pages;
     for (int r = 0; r < l.rows; r += box_rows) {

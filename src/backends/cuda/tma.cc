@@ -11,7 +11,7 @@ namespace attnforge::cuda {
 static_assert(sizeof(TensorMap) == sizeof(CUtensorMap) && alignof(TensorMap) >= 64,
               "TensorMap stands in for CUtensorMap in device code (the accelerator reads it 64-byte aligned)");
 
-TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, int64_t num_pages, KVBox box) {
+TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, KVBox box) {
   const char* which = value ? "V" : "K";
   if (kv.dtype != DType::kBFloat16 && kv.dtype != DType::kFloat16)
     detail::fail(ErrorKind::kUnsupported, "tensor map of {}: dtype {} (allowed: bfloat16, float16)", which,
@@ -25,6 +25,7 @@ TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, int64_t nu
                  "tensor map of {}: a box of {} slots x {} pages (allowed: 1 to min(256, page size {}) slots, 1 to "
                  "256 pages)",
                  which, box.slots, box.pages, page_size);
+  const int64_t num_pages = kv.num_pages;
   if (num_pages < 1) detail::fail(ErrorKind::kUnsupported, "tensor map of {}: {} pages (at least 1)", which, num_pages);
   const void* base = value ? kv.v : kv.k;
   if (reinterpret_cast<uintptr_t>(base) % 16 != 0)

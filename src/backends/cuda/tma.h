@@ -19,11 +19,11 @@ struct KVBox {
   int pages = 1;  // pages a box covers (ragged KV: tokens; at most 256)
 };
 
-// The map of K (value = false) or V of `kv` (16-bit elements, head_dim a multiple of 64) over `num_pages` pages
+// The map of K (value = false) or V of `kv` (16-bit elements, head_dim a multiple of 64) over its kv.num_pages pages
 // (ragged: rows). Throws Error(kUnsupported) naming the value when the layout cannot be described (an address not
 // 16-byte aligned, a stride not a multiple of 16 bytes, a box over 256 or past the page), Error(kBackend) when the
 // driver refuses it.
-TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, int64_t num_pages, KVBox box);
+TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, KVBox box);
 // Whether K's (value = false) or V's map puts the KV-head axis before the slot axis: its head stride is the smaller.
 bool kv_heads_inner(const KVParams& kv, bool value);
 

@@ -145,8 +145,8 @@ void launch_persistent(const AttentionParams& p, const KernelDims& dims, cudaStr
   if (slots == 0) return launch_wgmma_form<D, Elem, kForm>(p, dims, stream);
   AttentionParams tp = p;
   const KVBox box = p.kv.format == KVFormat::kRagged ? KVBox{1, kTileTokens} : KVBox{slots, 1};
-  tp.tma_k = kv_tensor_map(p.kv, false, D, p.kv.num_pages, box);
-  tp.tma_v = kv_tensor_map(p.kv, true, D, p.kv.num_pages, box);
+  tp.tma_k = kv_tensor_map(p.kv, false, D, box);
+  tp.tma_v = kv_tensor_map(p.kv, true, D, box);
   tp.tma_box_slots = slots;
   tp.tma_heads_inner = (kv_heads_inner(p.kv, false) ? 1 : 0) | (kv_heads_inner(p.kv, true) ? 2 : 0);
   launch_wgmma_form<D, Elem, kForm>(tp, dims, stream);
