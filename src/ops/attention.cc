@@ -366,6 +366,7 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
   p.num_kv_heads = s.num_kv_heads;
   p.head_dim_qk = s.head_dim_qk;
   p.head_dim_vo = s.head_dim_vo;
+  p.num_qo_tokens = q.shape[0];
   p.item_capacity = plan.item_capacity;
   p.merge_capacity = plan.merge_capacity;
   p.qo_tile = plan.qo_tile;

@@ -312,11 +312,11 @@ TEST(CudaLarge, PrefillShapes) {
 // merges (64 workers), an empty request, a partial last page, spare pages poisoned (paged K/V).
 std::string run_small_causal_prefill(int32_t head_dim, int32_t page_size, std::vector<int32_t> qo,
                                      std::vector<int32_t> kv, uint64_t seed,
-                                     KVFormat format = KVFormat::kPagedCSR) {
+                                     KVFormat format = KVFormat::kPagedCSR, int32_t group = 3) {
   CaseSpec s;
   s.kind = PlanKind::kPrefill;
   s.format = format;
-  s.num_qo_heads = 6, s.num_kv_heads = 2, s.head_dim_qk = head_dim, s.page_size = page_size;
+  s.num_qo_heads = 2 * group, s.num_kv_heads = 2, s.head_dim_qk = head_dim, s.page_size = page_size;
   s.qo_lens = std::move(qo);
   s.kv_lens = std::move(kv);
   s.options.causal = true;
@@ -340,9 +340,12 @@ TEST(CudaPrefillSmall, HeadDim256CausalPaged) {
 }
 
 // Ragged K/V, whose whole tiles the Hopper kernel's copier takes as tensor-map boxes by default (prefill.h:
-// prefill_tma) and whose partial ones by cp.async: requests of 300 and 131 rows, both kinds of tile, sanitized.
+// prefill_tma) and whose partial ones by cp.async: requests of 300, 131 and 50 rows, both kinds of tile, sanitized.
+// A group of 4: final rows whose warpgroup holds 64 of them are written as boxes of O (prefill_tma_store), the
+// others by the threads.
 TEST(CudaPrefillSmall, RaggedCausal) {
-  const std::string error = run_small_causal_prefill(128, 1, {300, 0, 131}, {300, 0, 131}, 47, KVFormat::kRagged);
+  const std::string error =
+      run_small_causal_prefill(128, 1, {300, 0, 131, 50}, {300, 0, 131, 50}, 47, KVFormat::kRagged, 4);
   EXPECT_TRUE(error.empty()) << error;
 }
 

@@ -127,6 +127,7 @@ struct AttentionParams {
   KVParams kv;
   VariantParams variant;
   int32_t batch_size, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo;
+  int64_t num_qo_tokens;  // Q's and O's tokens (total_qo)
   const PlanView* plan;
   // Launch sizes, from the plan's capacities (fixed for a batch size, so graphs survive re-plans).
   int32_t item_capacity, merge_capacity, qo_tile;
@@ -138,6 +139,10 @@ struct AttentionParams {
   int32_t tma_box_slots;
   int32_t tma_heads_inner;  // bit 0: K's map has the KV-head axis before the slot axis (tma.h); bit 1: V's
   TensorMap tma_k, tma_v;
+  // Set with tma_o (ATTNFORGE_PREFILL_TMA_STORE): a computing warpgroup's 64 final rows, staged in shared memory,
+  // are written as boxes of O (64 head dims x group heads x 64 / group tokens) by the accelerator.
+  int32_t tma_store;
+  TensorMap tma_o;
 };
 
 }  // namespace attnforge

@@ -32,6 +32,22 @@ __device__ __forceinline__ void load_4d(void* dst, const TensorMap* map, int c0,
       : "memory");
 }
 
+// Box at coordinates (c0, c1, c2) of the 3-dimensional tensor `map` written from `src` (aligned as for load_4d), a
+// bulk copy of this thread's current bulk group (store_commit closes it). The writes this CTA's threads made to
+// `src` must be made visible to the accelerator first: each writer's proxy fence (fence.proxy.async.shared::cta,
+// wgmma::fence_operands), then a barrier.
+__device__ __forceinline__ void store_3d(const TensorMap* map, int c0, int c1, int c2, const void* src) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(smem_address(src))
+               : "memory");
+}
+__device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until this thread's committed bulk groups have read their shared memory (it may be written again).
+__device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Until they have completed (their global writes done).
+__device__ __forceinline__ void store_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 // Brings the descriptor into the cache ahead of the first copy that reads it.
 __device__ __forceinline__ void prefetch_map(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");

@@ -134,21 +134,30 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
 }
 
 // The persistent forms, their K/V tiles by the tensor memory accelerator where ATTNFORGE_PREFILL_TMA takes the
-// format (prefill_tma: ragged K/V by default) and the layout allows it (kv_tma_box_slots): the maps are encoded
-// into a copy of the parameters for this launch.
+// format (prefill_tma: ragged K/V by default) and the layout allows it (kv_tma_box_slots), and their final rows
+// written as boxes of O where ATTNFORGE_PREFILL_TMA_STORE allows and o_tma_store_fits (the forms whose copier
+// copies Q: two Q buffers): the maps are encoded into a copy of the parameters for this launch.
 template <int D, typename Elem, WgmmaForm kForm>
 void launch_persistent(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
-  constexpr int kTileTokens = PrefillWgmmaTraits<D, Elem, kForm>::kTileTokens;
+  using Tr = PrefillWgmmaTraits<D, Elem, kForm>;
   const PrefillTma mode = prefill_tma();
   const bool wanted = mode == PrefillTma::kAll || (mode == PrefillTma::kRagged && p.kv.format == KVFormat::kRagged);
-  const int slots = wanted ? kv_tma_box_slots(p.kv, kTileTokens) : 0;
-  if (slots == 0) return launch_wgmma_form<D, Elem, kForm>(p, dims, stream);
+  const int slots = wanted ? kv_tma_box_slots(p.kv, Tr::kTileTokens) : 0;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const bool store = Tr::kQBuffers == 2 && prefill_tma_store() && o_tma_store_fits(p, group);
+  if (slots == 0 && !store) return launch_wgmma_form<D, Elem, kForm>(p, dims, stream);
   AttentionParams tp = p;
-  const KVBox box = p.kv.format == KVFormat::kRagged ? KVBox{1, kTileTokens} : KVBox{slots, 1};
-  tp.tma_k = kv_tensor_map(p.kv, false, D, box);
-  tp.tma_v = kv_tensor_map(p.kv, true, D, box);
-  tp.tma_box_slots = slots;
-  tp.tma_heads_inner = (kv_heads_inner(p.kv, false) ? 1 : 0) | (kv_heads_inner(p.kv, true) ? 2 : 0);
+  if (slots > 0) {
+    const KVBox box = p.kv.format == KVFormat::kRagged ? KVBox{1, Tr::kTileTokens} : KVBox{slots, 1};
+    tp.tma_k = kv_tensor_map(p.kv, false, D, box);
+    tp.tma_v = kv_tensor_map(p.kv, true, D, box);
+    tp.tma_box_slots = slots;
+    tp.tma_heads_inner = (kv_heads_inner(p.kv, false) ? 1 : 0) | (kv_heads_inner(p.kv, true) ? 2 : 0);
+  }
+  if (store) {
+    tp.tma_o = o_tensor_map(p, D, group);
+    tp.tma_store = 1;
+  }
   launch_wgmma_form<D, Elem, kForm>(tp, dims, stream);
 }
 
@@ -267,6 +276,17 @@ int kv_tma_box_slots(const KVParams& kv, int tile_tokens) {
   return std::min(page, tile_tokens);
 }
 
+bool prefill_tma_store() {
+  static const bool on = detail::env_choice("ATTNFORGE_PREFILL_TMA_STORE", {"1", "0"}, "1") == "1";
+  return on;
+}
+
+bool o_tma_store_fits(const AttentionParams& p, int group) {
+  return p.o_dtype == p.q_dtype && (p.o_dtype == DType::kBFloat16 || p.o_dtype == DType::kFloat16) && group >= 1 &&
+         64 % group == 0 && p.num_qo_tokens >= 1 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0 &&
+         p.o_stride_token > 0 && p.o_stride_head > 0 && p.o_stride_token % 8 == 0 && p.o_stride_head % 8 == 0;
+}
+
 int prefill_wgmma_form() {
   static const int form = std::stoi(detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1", "2", "3"}, "2"));
   return form;
@@ -309,7 +329,7 @@ void print_wgmma_trace(cudaStream_t stream) {
     for (int g = 0; g < 2; ++g) {
       o = h[cta][1 + g];
       std::printf("wgmma-trace consumer%d cta %d items %lld tiles %lld total %lld masked_tiles %lld setup %lld "
-                  "first %lld wait %lld plain %lld masked %lld store %lld qnext %lld stage %lld\n",
+                  "first %lld wait %lld plain %lld masked %lld store %lld qwait %lld stage %lld\n",
                   g, cta, o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10], o[11]);
     }
   }

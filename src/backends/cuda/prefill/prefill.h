@@ -51,6 +51,13 @@ PrefillTma prefill_tma();
 // tile, with 16-byte aligned addresses and strides; 1 for ragged K/V (a tile's rows in one box); 0 where the
 // accelerator cannot copy the layout (cp.async does).
 int kv_tma_box_slots(const KVParams& kv, int tile_tokens);
+// Whether the persistent forms write a computing warpgroup's 64 final rows as boxes of O by the accelerator, where
+// o_tma_store_fits: ATTNFORGE_PREFILL_TMA_STORE "1" (the default) or "0" (16-byte writes by the warpgroup's
+// threads). Read once. Head_dim 256 (one Q buffer) keeps the writes.
+bool prefill_tma_store();
+// Whether O's layout can be written in boxes of 64 packed rows (tma.h: o_tensor_map): 16-bit O in Q's type, `group`
+// (query heads per KV head) dividing 64, a 16-byte aligned address and strides.
+bool o_tma_store_fits(const AttentionParams& p, int group);
 
 // The nvcc-compiled kernels (the default tile configuration): CTAs per SM of the kernel that runs plans of
 // `tile_rows` query tile rows.

@@ -50,7 +50,7 @@ __device__ __forceinline__ long long trace_clock() {
 struct ConsumerTrace {
   long long begin = trace_clock(), t = begin;
   long long setup = 0, first = 0, wait = 0, plain = 0, masked = 0, store = 0, items = 0, tiles = 0, masked_tiles = 0;
-  long long qnext = 0, stage = 0;  // the pipelined form's next-Q copy issue; the staged store up to its first barrier
+  long long qwait = 0, stage = 0;  // the wait for the copier's Q (kCopierQ); the staged store up to its first barrier
   __device__ __forceinline__ void lap(long long& phase) {
     const long long now = trace_clock();
     phase += now - t;
@@ -59,7 +59,7 @@ struct ConsumerTrace {
   __device__ __forceinline__ void report(int cwg) {
     if ((threadIdx.x & 127) == 0)
       trace_add(1 + cwg, {items, tiles, trace_clock() - begin, masked_tiles, setup, first, wait, plain, masked, store,
-                          qnext, stage});
+                          qwait, stage});
   }
 };
 #else
@@ -328,15 +328,18 @@ __device__ __forceinline__ void wgmma_store_rows(const AttentionParams& p, const
 
 // As wgmma_store_rows, for final rows written in Q's type to 16-byte aligned rows (wgmma_staged_store): the
 // warpgroup puts its 64 normalized rows into its own rows of the Q panels (`q_rows`, read by no product of the item
-// any more), meets at named barrier `bar` (its 128 threads), and writes each row's 16-byte chunks, consecutive
-// threads along a row; then meets again, so the next item's Q may land there. The direct stores wrote 2 bytes a
-// lane and touched eight rows an instruction: 10,500 cycles an item on the H200 (trace at fd447de), as long as three
-// K/V tiles. `wg_row0`: the warpgroup's first row of the CTA's (its rows of the panels start there).
+// any more) and meets at named barrier `bar` (its 128 threads). Then either (`by_box`: p.tma_store, and all 64
+// rows are the item's) its thread 0 writes them as boxes of O through p.tma_o, one a 64-dim panel, and returns
+// true (its bulk group must have read the rows before they are written again: tma::store_wait_read), or each
+// row's 16-byte chunks are written by consecutive threads along a row and the warpgroup meets again, so the next
+// item's Q may land there. The direct stores wrote 2 bytes a lane and touched eight rows an instruction: 10,500
+// cycles an item on the H200 (trace at fd447de), as long as three K/V tiles. `wg_row0`: the warpgroup's first row
+// of the CTA's (its rows of the panels start there).
 template <class Tr>
-__device__ __forceinline__ void wgmma_store_rows_staged(const AttentionParams& p, const WgmmaItem& c,
+__device__ __forceinline__ bool wgmma_store_rows_staged(const AttentionParams& p, const WgmmaItem& c,
                                                         const WgmmaRows<Tr::kHeadDim>& st, uint8_t* q_rows,
-                                                        int wg_row0,
-                                                        int bar ATTNFORGE_TRACE(, ConsumerTrace& tr)) {
+                                                        int wg_row0, int bar,
+                                                        bool by_box ATTNFORGE_TRACE(, ConsumerTrace& tr)) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, kChunks = D / 8;
@@ -358,9 +361,23 @@ __device__ __forceinline__ void wgmma_store_rows_staged(const AttentionParams& p
       *reinterpret_cast<uint32_t*>(staged(lr, n) + 4 * (c.lane % 4)) =
           pack2(st.o_acc[4 * n + 2 * h] * f, st.o_acc[4 * n + 2 * h + 1] * f, Elem{});
   }
+  const int t = threadIdx.x & 127;
+  if (by_box) {
+    wgmma::fence_operands();  // this thread's staged rows, visible to the accelerator's reads (the async proxy)
+    mbar::named_sync(bar, 128);
+    ATTNFORGE_TRACE(tr.lap(tr.stage);)
+    if (t != 0) return false;
+    // Packed row wg_row0 + lr is token (c.row0 + wg_row0 + lr) / group of the item, head kv_head * group + lr %
+    // group: 64 rows are 64 / group whole tokens (group divides 64: the host sets tma_store only then).
+#pragma unroll
+    for (int panel = 0; panel < D / 64; ++panel)
+      tma::store_3d(&p.tma_o, 64 * panel, c.kv_head * c.group,
+                    c.qo_start + it.qo_begin + (c.row0 + wg_row0) / c.group, q_rows + panel * (Tr::kRows * 128));
+    tma::store_commit();
+    return true;
+  }
   mbar::named_sync(bar, 128);
   ATTNFORGE_TRACE(tr.lap(tr.stage);)  // normalized and staged: the writes count as the caller's store
-  const int t = threadIdx.x & 127;
   uint16_t* o = static_cast<uint16_t*>(p.o);
 #pragma unroll
   for (int k = 0; k < 64 * kChunks / 128; ++k) {
@@ -372,6 +389,7 @@ __device__ __forceinline__ void wgmma_store_rows_staged(const AttentionParams& p
   }
   mbar::named_sync(bar, 128);
 #endif
+  return false;
 }
 
 // Whether wgmma_store_rows_staged may write an item's rows: final rows (not a split's partial state) in Q's type,
@@ -411,25 +429,25 @@ __device__ __forceinline__ void wgmma_consume_tiles(const AttentionParams& p, co
 }
 
 // An item's rows written: staged through the warpgroup's own Q rows (q_rows, its first row wg_row0, named barrier
-// `bar`) where wgmma_staged_store allows, else directly.
+// `bar`) where wgmma_staged_store allows, else directly; by boxes of O where `by_box` also holds (the 64 rows are
+// all the item's). True on the thread that issued boxes (wgmma_store_rows_staged).
 template <class Tr>
-__device__ __forceinline__ void wgmma_store_item(const AttentionParams& p, const WgmmaItem& c,
+__device__ __forceinline__ bool wgmma_store_item(const AttentionParams& p, const WgmmaItem& c,
                                                  const WgmmaRows<Tr::kHeadDim>& st, uint8_t* q_rows, int wg_row0,
-                                                 int bar ATTNFORGE_TRACE(, ConsumerTrace& tr)) {
+                                                 int bar, bool by_box ATTNFORGE_TRACE(, ConsumerTrace& tr)) {
   if (wgmma_staged_store(p, c.it))
-    wgmma_store_rows_staged<Tr>(p, c, st, q_rows, wg_row0, bar ATTNFORGE_TRACE(, tr));
-  else
-    wgmma_store_rows<Tr::kHeadDim>(p, c, st);
+    return wgmma_store_rows_staged<Tr>(p, c, st, q_rows, wg_row0, bar, by_box && wg_row0 + 64 <= c.rows
+                                       ATTNFORGE_TRACE(, tr));
+  wgmma_store_rows<Tr::kHeadDim>(p, c, st);
+  return false;
 }
 
-// This thread's rows (warp_row0 + lane / 4 + 8 h): the warp's union of their KV ranges, which lane 0 publishes in
-// s_bounds[.][warp], and their intersection over the item's rows (w_max_lo, w_min_hi: the plain-tile test).
-template <int kWarps>
-__device__ __forceinline__ void wgmma_warp_bounds(const VariantParams& vp, const WorkItem& it, const ItemRows& m,
-                                                  int row0, int group, int warp_row0, int lane, int warp,
-                                                  int (*s_bounds)[kWarps], int& w_max_lo, int& w_min_hi) {
-  int w_lo = it.kv_end, w_hi = it.kv_begin;
-  w_max_lo = it.kv_begin, w_min_hi = it.kv_end;
+// The rows of this thread's warp (warp_row0 + lane / 4 + 8 h over its lanes): the union of their KV ranges [w_lo,
+// w_hi) and their intersection over the item's rows (w_max_lo, w_min_hi: the plain-tile test).
+__device__ __forceinline__ void wgmma_row_bounds(const VariantParams& vp, const WorkItem& it, const ItemRows& m,
+                                                 int row0, int group, int warp_row0, int lane, int& w_lo, int& w_hi,
+                                                 int& w_max_lo, int& w_min_hi) {
+  w_lo = it.kv_end, w_hi = it.kv_begin, w_max_lo = it.kv_begin, w_min_hi = it.kv_end;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp_row0 + lane / 4 + 8 * h;
@@ -439,6 +457,15 @@ __device__ __forceinline__ void wgmma_warp_bounds(const VariantParams& vp, const
     if (lo < hi) w_lo = min(w_lo, lo), w_hi = max(w_hi, hi);
   }
   warp_kv_bounds(w_lo, w_hi, w_max_lo, w_min_hi);
+}
+
+// wgmma_row_bounds, the union published by lane 0 in s_bounds[.][warp].
+template <int kWarps>
+__device__ __forceinline__ void wgmma_warp_bounds(const VariantParams& vp, const WorkItem& it, const ItemRows& m,
+                                                  int row0, int group, int warp_row0, int lane, int warp,
+                                                  int (*s_bounds)[kWarps], int& w_max_lo, int& w_min_hi) {
+  int w_lo, w_hi;
+  wgmma_row_bounds(vp, it, m, row0, group, warp_row0, lane, w_lo, w_hi, w_max_lo, w_min_hi);
   if (lane == 0) s_bounds[0][warp] = w_lo, s_bounds[1][warp] = w_hi;
 }
 
@@ -654,7 +681,7 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
       wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo,
                               g_hi ATTNFORGE_TRACE(, tr));
       if (index + gridDim.x >= num_items) grid_launch_dependents();  // this CTA's last item
-      wgmma_store_item<Tr>(p, c, st, sQ + 64 * cwg * 128, 64 * cwg, 5 + cwg ATTNFORGE_TRACE(, tr));
+      wgmma_store_item<Tr>(p, c, st, sQ + 64 * cwg * 128, 64 * cwg, 5 + cwg, false ATTNFORGE_TRACE(, tr));
       mbar::named_sync(3, Tr::kThreads);
       ATTNFORGE_TRACE(tr.lap(tr.store);)
     }
@@ -689,6 +716,14 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   __shared__ int2 s_boxes[kSlots][N / 8];
   // full / empty: a stage's K and V (kOverlap: its K; full_v / empty_v its V).
   __shared__ alignas(8) uint64_t full[S], empty[S], full_v[kOverlap ? S : 1], empty_v[kOverlap ? S : 1];
+  // kCopierQ (two Q buffers: head_dim 64 and 128): the copier copies each item's 128 rows of Q into buffer (items
+  // begun) % 2 and publishes with it, in s_qinfo of the buffer, each computing warp's bounds (the union [lo, hi) of
+  // its 16 rows' KV ranges, and their intersection over the item's rows: the plain-tile test), so that a computing
+  // warpgroup's item starts with one barrier wait: q_full (the copier's 128 copies and thread 0's arrival after its
+  // warps' bounds), q_empty (the 256 computing threads are done with the buffer: products, staged store).
+  constexpr bool kCopierQ = Tr::kQBuffers == 2;
+  __shared__ int4 s_qinfo[2][8];
+  __shared__ alignas(8) uint64_t q_full[2], q_empty[2];
   uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
   uint8_t* sQ = smem;
   uint8_t* sK = sQ + Tr::kQBuffers * Tr::kQBytes;
@@ -709,10 +744,13 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       mbar::init(&full[s], 128), mbar::init(&empty[s], 2 * 128);
       if constexpr (kOverlap) mbar::init(&full_v[s], 128), mbar::init(&empty_v[s], 2 * 128);
     }
+    if constexpr (kCopierQ)
+      for (int b = 0; b < 2; ++b) mbar::init(&q_full[b], 128 + 1), mbar::init(&q_empty[b], 2 * 128);
   }
   __syncthreads();  // the only CTA barrier
   uint32_t count = 0;  // tiles through the stages so far: stage count % S, phase (count / S) & 1
   int parity = 0;      // items begun by this side, mod 2: which bounds buffer
+  uint32_t q_items = 0;  // kCopierQ: items begun by this side (Q buffer q_items % 2, its use q_items / 2)
 
   if (wg == 0) {
     mbar::shrink_registers<Tr::kProducerRegs>();
@@ -726,14 +764,34 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
       int lo, hi;  // this thread's row, then the warp's union of non-empty rows
       row_kv_range(vp, it, threadIdx.x, m.rows, row0 + threadIdx.x, group, m.qo_len, m.kv_len, &lo, &hi);
+      // The intersection over the item's rows (rows past them count as the whole item).
+      int max_lo = threadIdx.x < m.rows ? lo : it.kv_begin, min_hi = threadIdx.x < m.rows ? hi : it.kv_end;
       if (lo >= hi) lo = it.kv_end, hi = it.kv_begin;
+      // kCopierQ: a computing warp's 16 rows are half of this warp's 32.
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
+      for (int o = 8; o > 0; o >>= 1) {
         lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
         hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+        if constexpr (kCopierQ) {
+          max_lo = max(max_lo, __shfl_xor_sync(0xffffffffu, max_lo, o));
+          min_hi = min(min_hi, __shfl_xor_sync(0xffffffffu, min_hi, o));
+        }
       }
+      const int qb = q_items & 1;
+      if constexpr (kCopierQ) {
+        const uint32_t q_use = q_items++ / 2;
+        if (q_use > 0) mbar::wait(&q_empty[qb], (q_use & 1) ^ 1);  // its last item's products and store are done
+        if ((lane & 15) == 0) s_qinfo[qb][threadIdx.x / 16] = make_int4(lo, hi, max_lo, min_hi);
+        load_query_rows<D, Tr::kRows, 128, true>(p, it, m.qo_start, row0, m.rows, group, kv_head,
+                                                 reinterpret_cast<uint16_t*>(sQ + qb * Tr::kQBytes));
+        mbar::arrive_on_copies(&q_full[qb]);
+      }
+      lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, 16));
+      hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, 16));
       if (lane == 0) s_range[parity][warp] = make_int2(lo, hi);
       mbar::named_sync(1, 128);  // also: every copier thread is done with the last item's offset slots
+      if constexpr (kCopierQ)
+        if (threadIdx.x == 0) mbar::arrive(&q_full[qb]);  // after every copier warp's bounds (the named barrier)
       int range_lo = it.kv_end, range_hi = it.kv_begin;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -745,22 +803,27 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       KVTileLoader<D, N, 128, kSlots, 2, true> loader(kv, m.b, kv_head, range_lo, range_hi);
       ATTNFORGE_TRACE(long long tr_now = clock64(); tr_range += tr_now - tr_t; tr_t = tr_now; tr_tiles += num_tiles;)
       // Tensor maps (p.tma_box_slots > 0): a tile that lies whole inside the range and starts on a box boundary is
-      // copied by thread 0's box loads, which the stage's full barrier counts by bytes (the other 127 threads arrive
-      // plainly); the item's last, partial tile (zeros past the range) and any other take the threads' cp.async.
+      // copied by box loads from lane 0 of each copier warp, which the stage's full barrier counts by bytes (the
+      // other threads arrive plainly); the item's last, partial tile (zeros past the range) and any other take the
+      // threads' cp.async.
       const bool ragged = kv.format == KVFormat::kRagged;
       const int box_rows = ragged ? N : p.tma_box_slots;
       auto by_tma = [&](int t) {
         const int tile0 = range_lo + t * N;
         return p.tma_box_slots > 0 && tile0 + N <= range_hi && (ragged || tile0 % p.tma_box_slots == 0);
       };
-      // Thread 0: tile t's boxes (fetched into s_boxes[t % kSlots]) of K and/or V into stage s, counted on `bar`. A
-      // map's second and third coordinates are (KV head, slot) where its head axis is the inner one (tma.h), else
+      // Lane 0 of copier warp `warp`: its boxes (b = warp, warp + 4, ...) of tile t (fetched into s_boxes[t %
+      // kSlots]) of K and/or V into stage s, counted on `bar` with their bytes. One thread issuing all 32 boxes of a
+      // 16-token-page tile in series measured 18% slower than cp.async (H200, e4daea1); four issue a quarter each.
+      // A map's second and third coordinates are (KV head, slot) where its head axis is the inner one (tma.h), else
       // swapped.
       auto issue_boxes = [&](int t, int s, bool k, bool v, uint64_t* bar) {
-        tma::arrive_expect_tx(bar, (k + v) * Tr::kStageBytes);
+        const int boxes = N / box_rows, mine = (boxes - warp + 3) / 4;
+        if (mine <= 0) return mbar::arrive(bar);
+        tma::arrive_expect_tx(bar, mine * (k + v) * (D / 64) * box_rows * 128);
         const bool k_inner = p.tma_heads_inner & 1, v_inner = p.tma_heads_inner & 2;
 #pragma unroll 1
-        for (int b = 0; b < N / box_rows; ++b) {
+        for (int b = warp; b < boxes; b += 4) {
           const int2 box = s_boxes[t % kSlots][b];
 #pragma unroll
           for (int panel = 0; panel < D / 64; ++panel) {
@@ -780,7 +843,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         if (!by_tma(t)) {
           loader.template load_offsets<false, true>(t, nullptr, sV + s * Tr::kStageBytes, s_offsets);
           mbar::arrive_on_copies(&full_v[s]);
-        } else if (threadIdx.x == 0) {
+        } else if (lane == 0) {
           issue_boxes(t, s, false, true, &full_v[s]);
         } else {
           mbar::arrive(&full_v[s]);
@@ -806,7 +869,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
           loader.template load_offsets<true, !kOverlap>(t, sK + s * Tr::kStageBytes, sV + s * Tr::kStageBytes,
                                                         s_offsets);
           mbar::arrive_on_copies(&full[s]);
-        } else if (threadIdx.x == 0) {
+        } else if (lane == 0) {
           issue_boxes(t, s, true, !kOverlap, &full[s]);
         } else {
           mbar::arrive(&full[s]);
@@ -835,7 +898,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         load_query_rows<D, 64, 128, true, 256, Tr::kRows>(p, qi, qm.qo_start, row0 + 64, own_rows, group, q_head,
                                                           own_q);
     };
-    int q_buf = 0, prefetched = -1;  // the buffer of this item's Q; the work index whose Q the other one holds
+    int q_release = -1;  // kCopierQ: the Q buffer this thread's boxes of O still read (released at the next item)
     const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
     const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
     ATTNFORGE_TRACE(ConsumerTrace tr;)
@@ -865,48 +928,64 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       ok_next = w_next < num_work && item_rows<Tr::kRows>(plan, it_next, group, row0, m_next);
       if (w_next + gridDim.x < num_work) it_after = item_at(w_next + gridDim.x);
       if (!ok) continue;
-      // Q: this warpgroup's rows only (the other's half may still be read by its products of the last item), in
-      // buffer q_buf: copied during the last item (after its tiles), or now (the first item, or one after a
-      // skipped pair).
-      if (prefetched == w) {
-        q_buf ^= 1;
+      int w_max_lo, w_min_hi, range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
+      int qb = 0;  // the buffer of this item's Q
+      if constexpr (kCopierQ) {
+        // The copier's Q and bounds (s_qinfo); then the buffer of the last item's boxes of O, if this thread issued
+        // them, is released once they have read it (long done: they were issued before this wait).
+        qb = q_items & 1;
+        mbar::wait(&q_full[qb], (q_items++ / 2) & 1);
+        ATTNFORGE_TRACE(tr.lap(tr.qwait);)
+        if (q_release >= 0) {
+          tma::store_wait_read();
+          mbar::arrive(&q_empty[q_release]);
+          q_release = -1;
+        }
+        wgmma::fence_operands();  // Q, copied by the copier and seen through the barrier, before the tensor cores
+        const int4 own = s_qinfo[qb][warp - 4];
+        w_max_lo = own.z, w_min_hi = own.w;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int4 b = s_qinfo[qb][i];
+          if (b.x >= b.y) continue;
+          range_lo = min(range_lo, b.x), range_hi = max(range_hi, b.y);
+          if (i / 4 == cwg) g_lo = min(g_lo, b.x), g_hi = max(g_hi, b.y);
+        }
       } else {
-        load_q(it, m, kv_head, q_buf);
+        // One Q buffer (head_dim 256): this warpgroup copies its own rows (the other's half may still be read by
+        // its products of the last item). Its warp's own rows' bounds, and the union with the other warpgroup's
+        // rows (r ^ 64: the CTA's range, as the copier finds it).
+        load_q(it, m, kv_head, 0);
         cp_async_commit();
-      }
-      const uint32_t q_addr = smem_address(sQ + q_buf * Tr::kQBytes) + 64 * cwg * 128;
-      // This thread's rows r (lane / 4 + 8 h of its warp) and the other warpgroup's r ^ 64: the warp's union and
-      // intersection of its own rows, and the union of both (the CTA's range, as the copier finds it).
-      int w_lo = it.kv_end, w_hi = it.kv_begin, w_max_lo = it.kv_begin, w_min_hi = it.kv_end;
-      int a_lo = it.kv_end, a_hi = it.kv_begin;
+        int w_lo, w_hi;
+        wgmma_row_bounds(vp, it, m, row0, group, warp_row0, lane, w_lo, w_hi, w_max_lo, w_min_hi);
+        int a_lo = it.kv_end, a_hi = it.kv_begin;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = warp_row0 + lane / 4 + 8 * h;
-        int lo, hi;
-        row_kv_range(vp, it, r, m.rows, row0 + r, group, m.qo_len, m.kv_len, &lo, &hi);
-        if (r < m.rows) w_max_lo = max(w_max_lo, lo), w_min_hi = min(w_min_hi, hi);
-        if (lo < hi) w_lo = min(w_lo, lo), w_hi = max(w_hi, hi);
-        row_kv_range(vp, it, r ^ 64, m.rows, row0 + (r ^ 64), group, m.qo_len, m.kv_len, &lo, &hi);
-        if (lo < hi) a_lo = min(a_lo, lo), a_hi = max(a_hi, hi);
-      }
-      warp_kv_bounds(w_lo, w_hi, w_max_lo, w_min_hi);
+        for (int h = 0; h < 2; ++h) {
+          const int r = (warp_row0 + lane / 4 + 8 * h) ^ 64;
+          int lo, hi;
+          row_kv_range(vp, it, r, m.rows, row0 + r, group, m.qo_len, m.kv_len, &lo, &hi);
+          if (lo < hi) a_lo = min(a_lo, lo), a_hi = max(a_hi, hi);
+        }
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        a_lo = min(a_lo, __shfl_xor_sync(0xffffffffu, a_lo, o));
-        a_hi = max(a_hi, __shfl_xor_sync(0xffffffffu, a_hi, o));
-      }
-      if (lane == 0) s_wg_bounds[cwg][parity][warp & 3] = make_int4(w_lo, w_hi, min(a_lo, w_lo), max(a_hi, w_hi));
-      cp_async_wait<0>();
-      wgmma::fence_operands();              // this warpgroup's Q, visible to the tensor cores
-      mbar::named_sync(4 + cwg, 128);       // its Q and bounds are in
-      int range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
+        for (int o = 16; o > 0; o >>= 1) {
+          a_lo = min(a_lo, __shfl_xor_sync(0xffffffffu, a_lo, o));
+          a_hi = max(a_hi, __shfl_xor_sync(0xffffffffu, a_hi, o));
+        }
+        if (lane == 0)
+          s_wg_bounds[cwg][parity][warp & 3] = make_int4(w_lo, w_hi, min(a_lo, w_lo), max(a_hi, w_hi));
+        cp_async_wait<0>();
+        wgmma::fence_operands();         // this warpgroup's Q, visible to the tensor cores
+        mbar::named_sync(4 + cwg, 128);  // its Q and bounds are in
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int4 b = s_wg_bounds[cwg][parity][i];
-        if (b.x < b.y) g_lo = min(g_lo, b.x), g_hi = max(g_hi, b.y);
-        range_lo = min(range_lo, b.z), range_hi = max(range_hi, b.w);
+        for (int i = 0; i < 4; ++i) {
+          const int4 b = s_wg_bounds[cwg][parity][i];
+          if (b.x < b.y) g_lo = min(g_lo, b.x), g_hi = max(g_hi, b.y);
+          range_lo = min(range_lo, b.z), range_hi = max(range_hi, b.w);
+        }
+        parity ^= 1;
       }
-      parity ^= 1;
+      const uint32_t q_addr = smem_address(sQ + qb * Tr::kQBytes) + 64 * cwg * 128;
       const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
       const WgmmaItem c{it,        m.b,  m.rows,   row0,     group,      kv_head,  m.qo_start, m.qo_len, m.kv_len,
                         warp_row0, lane, w_max_lo, w_min_hi, scale_log2, transform};
@@ -986,20 +1065,20 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo,
                                 g_hi ATTNFORGE_TRACE(, tr));
       if (w + gridDim.x >= num_work) grid_launch_dependents();  // this CTA's last item
-      // The next pair's Q rows into the other buffer (the last item's products and store are done with it), their
-      // copies running through this item's store. (One buffer, at head_dim 256: no prefetch; past the buffer lie
-      // the K stages.)
-      if (Tr::kQBuffers == 2 && ok_next) {
-        load_q(it_next, m_next, w_next / num_items, q_buf ^ 1);
-        cp_async_commit();
-        prefetched = w_next;
+      // Staged through its own rows of Q (which the next item's Q load waits for), by boxes of O where the host
+      // encoded the map (kCopierQ only: the issuing thread releases the buffer later, the others now).
+      const bool boxed = wgmma_store_item<Tr>(p, c, st, sQ + qb * Tr::kQBytes + 64 * cwg * 128, 64 * cwg, 4 + cwg,
+                                              kCopierQ && p.tma_store ATTNFORGE_TRACE(, tr));
+      if constexpr (kCopierQ) {
+        if (boxed)
+          q_release = qb;
+        else
+          mbar::arrive(&q_empty[qb]);
       }
-      ATTNFORGE_TRACE(tr.lap(tr.qnext);)
-      // Staged through its own rows of Q, which the next item's Q load waits for.
-      wgmma_store_item<Tr>(p, c, st, sQ + q_buf * Tr::kQBytes + 64 * cwg * 128, 64 * cwg,
-                           4 + cwg ATTNFORGE_TRACE(, tr));
       ATTNFORGE_TRACE(tr.lap(tr.store);)
     }
+    if constexpr (kCopierQ)
+      if (q_release >= 0) tma::store_wait();  // the boxes' reads of shared memory and writes of O, before exit
     ATTNFORGE_TRACE(tr.report(cwg);)
   }
 #endif
