@@ -259,43 +259,52 @@ TEST(TmaMaps, BoxSlotsFollowTheLayout) {
   EXPECT_TRUE(cuda::kv_heads_inner(ragged, true));
 }
 
-// O written by boxes (prefill.h: o_tma_store_fits, tma.h: o_tensor_map): 16-bit O in Q's type whose group of query
-// heads divides 64 and whose address and strides step in 16 bytes; every other layout keeps the threads' writes, and
-// the map refuses it by name before the driver is asked.
-TEST(TmaMaps, OutputBoxesFollowTheLayout) {
-  alignas(16) static uint16_t out[64];
+// Q copied and O written by boxes (prefill.h: qo_tma_fits, tma.h: qo_tensor_map): 16-bit Q, and O in Q's type,
+// whose group of query heads divides the box's packed rows (128 of Q, 64 of O) and whose address and strides step
+// in 16 bytes; every other layout keeps the threads' copies, and the map refuses it by name before the driver is
+// asked.
+TEST(TmaMaps, QueryAndOutputBoxesFollowTheLayout) {
+  alignas(16) static uint16_t q[64], out[64];
   AttentionParams p{};
   p.q_dtype = p.o_dtype = DType::kBFloat16;
-  p.o = out;
+  p.q = q, p.o = out;
   p.num_qo_tokens = 100, p.num_qo_heads = 32;
-  p.o_stride_head = 128, p.o_stride_token = 32 * 128;
-  EXPECT_TRUE(cuda::o_tma_store_fits(p, 4));
-  EXPECT_TRUE(cuda::o_tma_store_fits(p, 1));
-  EXPECT_FALSE(cuda::o_tma_store_fits(p, 3));  // 64 rows are not whole tokens
-  EXPECT_FALSE(cuda::o_tma_store_fits(p, 128));
+  p.q_stride_head = p.o_stride_head = 128, p.q_stride_token = p.o_stride_token = 32 * 128;
+  for (bool o : {false, true}) {
+    EXPECT_TRUE(cuda::qo_tma_fits(p, o, 4, 64));
+    EXPECT_TRUE(cuda::qo_tma_fits(p, o, 1, 64));
+    EXPECT_FALSE(cuda::qo_tma_fits(p, o, 3, 64));  // 64 rows are not whole tokens
+  }
+  EXPECT_TRUE(cuda::qo_tma_fits(p, false, 128, 128));
+  EXPECT_FALSE(cuda::qo_tma_fits(p, true, 128, 64));
   AttentionParams f32 = p;
   f32.o_dtype = DType::kFloat32;
-  EXPECT_FALSE(cuda::o_tma_store_fits(f32, 4));
+  EXPECT_FALSE(cuda::qo_tma_fits(f32, true, 4, 64));
+  EXPECT_TRUE(cuda::qo_tma_fits(f32, false, 4, 128));  // Q's own layout still fits
   AttentionParams odd = p;
   odd.o_stride_token = 32 * 128 + 4;
-  EXPECT_FALSE(cuda::o_tma_store_fits(odd, 4));
+  odd.q_stride_head = 132;
+  EXPECT_FALSE(cuda::qo_tma_fits(odd, true, 4, 64));
+  EXPECT_FALSE(cuda::qo_tma_fits(odd, false, 4, 128));
   AttentionParams shifted = p;
   shifted.o = out + 1;
-  EXPECT_FALSE(cuda::o_tma_store_fits(shifted, 4));
-  auto refusal = [](const AttentionParams& q, int head_dim, int group) -> std::string {
+  EXPECT_FALSE(cuda::qo_tma_fits(shifted, true, 4, 64));
+  EXPECT_TRUE(cuda::qo_tma_fits(shifted, false, 4, 128));
+  auto refusal = [](const AttentionParams& a, bool o, int head_dim, int group, int rows) -> std::string {
     try {
-      cuda::o_tensor_map(q, head_dim, group);
+      cuda::qo_tensor_map(a, o, head_dim, group, rows);
     } catch (const Error& e) {
       EXPECT_EQ(e.kind(), ErrorKind::kUnsupported) << e.what();
       return e.what();
     }
     return "";
   };
-  EXPECT_NE(refusal(p, 128, 3).find("group size 3"), std::string::npos);
-  EXPECT_NE(refusal(p, 96, 4).find("head_dim 96"), std::string::npos);
-  EXPECT_NE(refusal(f32, 128, 4).find("allowed: bfloat16, float16"), std::string::npos);
-  EXPECT_NE(refusal(odd, 128, 4).find("token stride of 8200 bytes"), std::string::npos);
-  EXPECT_NE(refusal(shifted, 128, 4).find("not 16-byte aligned"), std::string::npos);
+  EXPECT_NE(refusal(p, true, 128, 3, 64).find("group size 3"), std::string::npos);
+  EXPECT_NE(refusal(p, false, 96, 4, 128).find("tensor map of Q: head_dim 96"), std::string::npos);
+  EXPECT_NE(refusal(f32, true, 128, 4, 64).find("allowed: bfloat16, float16"), std::string::npos);
+  EXPECT_NE(refusal(odd, true, 128, 4, 64).find("token stride of 8200 bytes"), std::string::npos);
+  EXPECT_NE(refusal(odd, false, 128, 4, 128).find("head stride of 264 bytes"), std::string::npos);
+  EXPECT_NE(refusal(shifted, true, 128, 4, 64).find("not 16-byte aligned"), std::string::npos);
 }
 
 // Custom variants (testing/variant_reference.h: sigmoid without softmax, a per-head bias with its own mask, logits

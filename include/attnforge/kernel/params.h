@@ -143,6 +143,10 @@ struct AttentionParams {
   // are written as boxes of O (64 head dims x group heads x 64 / group tokens) by the accelerator.
   int32_t tma_store;
   TensorMap tma_o;
+  // Set with tma_q (ATTNFORGE_PREFILL_TMA_Q): the copier copies an item's 128 packed rows of Q as boxes (64 head dims
+  // x group heads x 128 / group tokens).
+  int32_t tma_q_rows;
+  TensorMap tma_q;
 };
 
 }  // namespace attnforge

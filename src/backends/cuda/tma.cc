@@ -60,38 +60,45 @@ TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, KVBox box)
   return out;
 }
 
-TensorMap o_tensor_map(const AttentionParams& p, int head_dim, int group) {
-  if (p.o_dtype != DType::kBFloat16 && p.o_dtype != DType::kFloat16)
-    detail::fail(ErrorKind::kUnsupported, "tensor map of O: dtype {} (allowed: bfloat16, float16)",
-                 to_string(p.o_dtype));
+TensorMap qo_tensor_map(const AttentionParams& p, bool out, int head_dim, int group, int rows) {
+  const char* which = out ? "O" : "Q";
+  const DType dtype = out ? p.o_dtype : p.q_dtype;
+  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16)
+    detail::fail(ErrorKind::kUnsupported, "tensor map of {}: dtype {} (allowed: bfloat16, float16)", which,
+                 to_string(dtype));
   if (head_dim <= 0 || head_dim % 64 != 0)
-    detail::fail(ErrorKind::kUnsupported, "tensor map of O: head_dim {} (allowed: a multiple of 64)", head_dim);
-  if (group < 1 || 64 % group != 0)
-    detail::fail(ErrorKind::kUnsupported, "tensor map of O: group size {} (allowed: a divisor of 64)", group);
+    detail::fail(ErrorKind::kUnsupported, "tensor map of {}: head_dim {} (allowed: a multiple of 64)", which,
+                 head_dim);
+  if (group < 1 || rows < 1 || rows > 256 || rows % group != 0)
+    detail::fail(ErrorKind::kUnsupported, "tensor map of {}: group size {} (allowed: a divisor of {} rows)", which,
+                 group, rows);
   if (p.num_qo_tokens < 1 || p.num_qo_heads < group)
-    detail::fail(ErrorKind::kUnsupported, "tensor map of O: {} tokens x {} heads (at least 1 x {})",
+    detail::fail(ErrorKind::kUnsupported, "tensor map of {}: {} tokens x {} heads (at least 1 x {})", which,
                  p.num_qo_tokens, p.num_qo_heads, group);
-  if (reinterpret_cast<uintptr_t>(p.o) % 16 != 0)
-    detail::fail(ErrorKind::kUnsupported, "tensor map of O: address {} is not 16-byte aligned", p.o);
-  const int64_t token = p.o_stride_token * 2, head = p.o_stride_head * 2;
+  const void* base = out ? p.o : p.q;
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0)
+    detail::fail(ErrorKind::kUnsupported, "tensor map of {}: address {} is not 16-byte aligned", which, base);
+  const int64_t token = (out ? p.o_stride_token : p.q_stride_token) * 2;
+  const int64_t head = (out ? p.o_stride_head : p.q_stride_head) * 2;
   for (const auto& [name, bytes] : {std::pair{"token", token}, std::pair{"head", head}})
     if (bytes <= 0 || bytes % 16 != 0 || bytes >= (int64_t{1} << 40))
       detail::fail(ErrorKind::kUnsupported,
-                   "tensor map of O: {} stride of {} bytes (allowed: a positive multiple of 16 under 2^40)", name,
-                   bytes);
+                   "tensor map of {}: {} stride of {} bytes (allowed: a positive multiple of 16 under 2^40)", which,
+                   name, bytes);
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(p.num_qo_heads),
                               static_cast<cuuint64_t>(p.num_qo_tokens)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head), static_cast<cuuint64_t>(token)};
-  const cuuint32_t box_dims[3] = {64, static_cast<cuuint32_t>(group), static_cast<cuuint32_t>(64 / group)};
+  const cuuint32_t box_dims[3] = {64, static_cast<cuuint32_t>(group), static_cast<cuuint32_t>(rows / group)};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   CUtensorMap map;
   ATTNFORGE_CU_CHECK(driver().cuTensorMapEncodeTiled(
-      &map, p.o_dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
-      p.o, dims, strides, box_dims, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
-  TensorMap out;
-  __builtin_memcpy(&out, &map, sizeof out);
-  return out;
+      &map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+      const_cast<void*>(base), dims, strides, box_dims, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, out ? CU_TENSOR_MAP_L2_PROMOTION_NONE : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+  TensorMap result;
+  __builtin_memcpy(&result, &map, sizeof result);
+  return result;
 }
 
 bool kv_heads_inner(const KVParams& kv, bool value) {

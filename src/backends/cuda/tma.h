@@ -24,12 +24,12 @@ struct KVBox {
 // 16-byte aligned, a stride not a multiple of 16 bytes, a box over 256 or past the page), Error(kBackend) when the
 // driver refuses it.
 TensorMap kv_tensor_map(const KVParams& kv, bool value, int head_dim, KVBox box);
-// The map of O (`p.o`, 16-bit, [num_qo_tokens, num_qo_heads, head_dim] with its strides) as a 3-d tensor (head
-// dims, query heads, tokens) whose boxes are 64 head dims x `group` heads x 64 / group tokens: 64 packed rows of one
-// KV head's query tile (packed row r = token r / group, head r % group of the group), one wgmma panel's rows in
-// the 128-byte swizzle. Throws Error(kUnsupported) naming the value when `group` does not divide 64 or an address
-// or stride is not 16-byte aligned, Error(kBackend) when the driver refuses it.
-TensorMap o_tensor_map(const AttentionParams& p, int head_dim, int group);
+// The map of Q (`out` false: p.q) or O (p.o), 16-bit, [num_qo_tokens, num_qo_heads, head_dim] with their strides,
+// as a 3-d tensor (head dims, query heads, tokens) whose boxes are 64 head dims x `group` heads x rows / group
+// tokens: `rows` packed rows of one KV head's query tile (packed row r = token r / group, head r % group of the
+// group), one wgmma panel's rows in the 128-byte swizzle. Throws Error(kUnsupported) naming the value when `group`
+// does not divide `rows` or an address or stride is not 16-byte aligned, Error(kBackend) when the driver refuses it.
+TensorMap qo_tensor_map(const AttentionParams& p, bool out, int head_dim, int group, int rows);
 // Whether K's (value = false) or V's map puts the KV-head axis before the slot axis: its head stride is the smaller.
 bool kv_heads_inner(const KVParams& kv, bool value);
 

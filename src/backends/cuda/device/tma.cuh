@@ -32,6 +32,15 @@ __device__ __forceinline__ void load_4d(void* dst, const TensorMap* map, int c0,
       : "memory");
 }
 
+// As load_4d, from a 3-dimensional tensor.
+__device__ __forceinline__ void load_3d(void* dst, const TensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(smem_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_address(bar))
+      : "memory");
+}
+
 // Box at coordinates (c0, c1, c2) of the 3-dimensional tensor `map` written from `src` (aligned as for load_4d), a
 // bulk copy of this thread's current bulk group (store_commit closes it). The writes this CTA's threads made to
 // `src` must be made visible to the accelerator first: each writer's proxy fence (fence.proxy.async.shared::cta,

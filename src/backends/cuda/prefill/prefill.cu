@@ -134,9 +134,10 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
 }
 
 // The persistent forms, their K/V tiles by the tensor memory accelerator where ATTNFORGE_PREFILL_TMA takes the
-// format (prefill_tma: ragged K/V by default) and the layout allows it (kv_tma_box_slots), and their final rows
-// written as boxes of O where ATTNFORGE_PREFILL_TMA_STORE allows and o_tma_store_fits (the forms whose copier
-// copies Q: two Q buffers): the maps are encoded into a copy of the parameters for this launch.
+// format (prefill_tma: ragged K/V by default) and the layout allows it (kv_tma_box_slots), and (the forms whose
+// copier copies Q: two Q buffers) Q copied and final rows written as boxes where ATTNFORGE_PREFILL_TMA_Q and
+// ATTNFORGE_PREFILL_TMA_STORE allow and qo_tma_fits: the maps are encoded into a copy of the parameters for this
+// launch.
 template <int D, typename Elem, WgmmaForm kForm>
 void launch_persistent(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
   using Tr = PrefillWgmmaTraits<D, Elem, kForm>;
@@ -144,8 +145,9 @@ void launch_persistent(const AttentionParams& p, const KernelDims& dims, cudaStr
   const bool wanted = mode == PrefillTma::kAll || (mode == PrefillTma::kRagged && p.kv.format == KVFormat::kRagged);
   const int slots = wanted ? kv_tma_box_slots(p.kv, Tr::kTileTokens) : 0;
   const int group = p.num_qo_heads / p.num_kv_heads;
-  const bool store = Tr::kQBuffers == 2 && prefill_tma_store() && o_tma_store_fits(p, group);
-  if (slots == 0 && !store) return launch_wgmma_form<D, Elem, kForm>(p, dims, stream);
+  const bool store = Tr::kQBuffers == 2 && prefill_tma_store() && qo_tma_fits(p, true, group, 64);
+  const bool q = Tr::kQBuffers == 2 && prefill_tma_q() && qo_tma_fits(p, false, group, Tr::kRows);
+  if (slots == 0 && !store && !q) return launch_wgmma_form<D, Elem, kForm>(p, dims, stream);
   AttentionParams tp = p;
   if (slots > 0) {
     const KVBox box = p.kv.format == KVFormat::kRagged ? KVBox{1, Tr::kTileTokens} : KVBox{slots, 1};
@@ -155,8 +157,12 @@ void launch_persistent(const AttentionParams& p, const KernelDims& dims, cudaStr
     tp.tma_heads_inner = (kv_heads_inner(p.kv, false) ? 1 : 0) | (kv_heads_inner(p.kv, true) ? 2 : 0);
   }
   if (store) {
-    tp.tma_o = o_tensor_map(p, D, group);
+    tp.tma_o = qo_tensor_map(p, true, D, group, 64);
     tp.tma_store = 1;
+  }
+  if (q) {
+    tp.tma_q = qo_tensor_map(p, false, D, group, Tr::kRows);
+    tp.tma_q_rows = 1;
   }
   launch_wgmma_form<D, Elem, kForm>(tp, dims, stream);
 }
@@ -281,10 +287,17 @@ bool prefill_tma_store() {
   return on;
 }
 
-bool o_tma_store_fits(const AttentionParams& p, int group) {
-  return p.o_dtype == p.q_dtype && (p.o_dtype == DType::kBFloat16 || p.o_dtype == DType::kFloat16) && group >= 1 &&
-         64 % group == 0 && p.num_qo_tokens >= 1 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0 &&
-         p.o_stride_token > 0 && p.o_stride_head > 0 && p.o_stride_token % 8 == 0 && p.o_stride_head % 8 == 0;
+bool prefill_tma_q() {
+  static const bool on = detail::env_choice("ATTNFORGE_PREFILL_TMA_Q", {"1", "0"}, "1") == "1";
+  return on;
+}
+
+bool qo_tma_fits(const AttentionParams& p, bool out, int group, int rows) {
+  const DType dtype = out ? p.o_dtype : p.q_dtype;
+  const int64_t token = out ? p.o_stride_token : p.q_stride_token, head = out ? p.o_stride_head : p.q_stride_head;
+  return dtype == p.q_dtype && (dtype == DType::kBFloat16 || dtype == DType::kFloat16) && group >= 1 &&
+         rows % group == 0 && p.num_qo_tokens >= 1 && reinterpret_cast<uintptr_t>(out ? p.o : p.q) % 16 == 0 &&
+         token > 0 && head > 0 && token % 8 == 0 && head % 8 == 0;
 }
 
 int prefill_wgmma_form() {

@@ -52,12 +52,16 @@ PrefillTma prefill_tma();
 // accelerator cannot copy the layout (cp.async does).
 int kv_tma_box_slots(const KVParams& kv, int tile_tokens);
 // Whether the persistent forms write a computing warpgroup's 64 final rows as boxes of O by the accelerator, where
-// o_tma_store_fits: ATTNFORGE_PREFILL_TMA_STORE "1" (the default) or "0" (16-byte writes by the warpgroup's
-// threads). Read once. Head_dim 256 (one Q buffer) keeps the writes.
+// qo_tma_fits: ATTNFORGE_PREFILL_TMA_STORE "1" (the default) or "0" (16-byte writes by the warpgroup's threads);
+// and whether their copier copies an item's 128 rows of Q as boxes (ATTNFORGE_PREFILL_TMA_Q "1", the default) or
+// by its threads' cp.async ("0"). Read once. Head_dim 256 (one Q buffer, copied by the computing warpgroups) takes
+// neither.
 bool prefill_tma_store();
-// Whether O's layout can be written in boxes of 64 packed rows (tma.h: o_tensor_map): 16-bit O in Q's type, `group`
-// (query heads per KV head) dividing 64, a 16-byte aligned address and strides.
-bool o_tma_store_fits(const AttentionParams& p, int group);
+bool prefill_tma_q();
+// Whether Q's (out false) or O's layout can be copied in boxes of `rows` packed rows (tma.h: qo_tensor_map): 16-bit
+// elements (O in Q's type), `group` (query heads per KV head) dividing `rows`, a 16-byte aligned address and
+// strides.
+bool qo_tma_fits(const AttentionParams& p, bool out, int group, int rows);
 
 // The nvcc-compiled kernels (the default tile configuration): CTAs per SM of the kernel that runs plans of
 // `tile_rows` query tile rows.

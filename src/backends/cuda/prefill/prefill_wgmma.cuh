@@ -782,9 +782,24 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         const uint32_t q_use = q_items++ / 2;
         if (q_use > 0) mbar::wait(&q_empty[qb], (q_use & 1) ^ 1);  // its last item's products and store are done
         if ((lane & 15) == 0) s_qinfo[qb][threadIdx.x / 16] = make_int4(lo, hi, max_lo, min_hi);
-        load_query_rows<D, Tr::kRows, 128, true>(p, it, m.qo_start, row0, m.rows, group, kv_head,
-                                                 reinterpret_cast<uint16_t*>(sQ + qb * Tr::kQBytes));
-        mbar::arrive_on_copies(&q_full[qb]);
+        if (p.tma_q_rows) {
+          // One box a 64-dim panel: the 128 packed rows from row0 are 128 / group whole tokens (the host encodes the
+          // map only where the group divides 128). Rows past the item's are the next request's (or zeros past
+          // Q's end): no row of the item reads them, and they are never stored.
+          if (threadIdx.x == 0) {
+            tma::arrive_expect_tx(&q_full[qb], Tr::kQBytes);
+#pragma unroll
+            for (int panel = 0; panel < D / 64; ++panel)
+              tma::load_3d(sQ + qb * Tr::kQBytes + panel * (Tr::kRows * 128), &p.tma_q, 64 * panel, kv_head * group,
+                           m.qo_start + it.qo_begin + row0 / group, &q_full[qb]);
+          } else {
+            mbar::arrive(&q_full[qb]);
+          }
+        } else {
+          load_query_rows<D, Tr::kRows, 128, true>(p, it, m.qo_start, row0, m.rows, group, kv_head,
+                                                   reinterpret_cast<uint16_t*>(sQ + qb * Tr::kQBytes));
+          mbar::arrive_on_copies(&q_full[qb]);
+        }
       }
       lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, 16));
       hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, 16));
