@@ -70,9 +70,10 @@ struct ConsumerTrace {
 //   kBarrier: all 256 threads copy every K/V tile and meet at a barrier per tile (prefill_wgmma_body);
 //   kWarpSpecialized: a third warpgroup copies the tiles into the stages and the two that compute never meet at a
 //     CTA barrier inside an item; the CTA meets twice per item (prefill_wgmma_ws_body);
-//   kPipelined: as kWarpSpecialized, but the CTA never meets after its start: each side finds the item's KV range
-//     itself, so the copier runs into the next item's tiles while the computing warpgroups finish the last, and
-//     each computing warpgroup loads its own half of Q (prefill_wgmma_pipelined_body).
+//   kPipelined: as kWarpSpecialized, but the CTA never meets after its start: the copier runs into the next item's
+//     tiles while the computing warpgroups finish the last; at head_dim 64 and 128 it also copies each item's Q and
+//     the computing warps' KV bounds into one of two buffers (at 256 each computing warpgroup loads its own half of
+//     Q and finds the bounds itself) (prefill_wgmma_pipelined_body).
 //   kOverlapped: as kPipelined, and each computing warpgroup issues tile t's S = Q K^T together with tile t - 1's
 //     O += P V and runs tile t's softmax while the latter runs (K and V stages get barriers of their own: a tile's K
 //     is free once its S has completed, its V once its P V has).
@@ -105,9 +106,10 @@ struct PrefillWgmmaTraits {
   static constexpr int kStageReaders = 256;  // arrivals that release a stage
   static constexpr int kQBytes = kRows * kHeadDim * 2;
   static constexpr int kStageBytes = kTileTokens * kHeadDim * 2;
-  // The persistent forms keep two Q buffers where they fit: a computing warpgroup copies the next item's rows into
-  // one while it works on the item in the other (a Q load was most of an item's 4,300 cycles of setup, H200 trace
-  // at fd447de). Head_dim 256's Q is 64 KB: one buffer.
+  // The persistent forms keep two Q buffers where they fit: the copier copies the next item's rows into one while
+  // the computing warpgroups work on the item in the other (a Q load was most of an item's 4,300 cycles of setup,
+  // H200 trace at fd447de; 931 cycles with Q and bounds by the copier at 1d7130c). Head_dim 256's Q is 64 KB: one
+  // buffer.
   static constexpr int kQBuffers =
       (kForm == WgmmaForm::kPipelined || kForm == WgmmaForm::kOverlapped) && kHeadDim != 256 ? 2 : 1;
   // Q, the K and V stages (160 KB at head_dim 128, 192 KB with two Q buffers or at head_dim 256), and 1 KB to align
@@ -693,10 +695,11 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
 // The pipelined form: as prefill_wgmma_ws_body, persistent (one CTA per SM walks the (KV head, item) pairs,
 // head-major: the order the other forms' grid runs in) and without the two CTA barriers per item. The copying
 // warpgroup finds the item's KV range from its 128 rows (one a thread) and goes on to the next item's tiles as
-// soon as stages free up; each computing warpgroup finds the same range (its rows and the other warpgroup's, two
-// each a thread), its own rows' range and masks, and copies its own 64 rows of Q, meeting only its own 128 threads
-// (named barriers 4 and 5). Shared bounds are double-buffered by item parity, which the barrier of the next item
-// protects.
+// soon as stages free up. With two Q buffers (kCopierQ) it also copies the item's Q and publishes each computing
+// warp's bounds with it, so a computing warpgroup starts an item with one barrier wait. With one (head_dim 256)
+// each computing warpgroup finds the same range (its rows and the other warpgroup's, two each a thread), its own
+// rows' range and masks, and copies its own 64 rows of Q, meeting only its own 128 threads (named barriers 4 and
+// 5); those shared bounds are double-buffered by item parity, which the barrier of the next item protects.
 template <class Tr>
 __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionParams& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -903,10 +906,10 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
     mbar::grow_registers<Tr::kConsumerRegs>();
     const int cwg = wg - 1;                   // this computing warpgroup: packed rows 64 cwg .. 64 cwg + 63
     const int warp_row0 = 16 * (warp - 4);    // of this warp, 16 rows
-    // This warpgroup's 64 rows of each Q panel of buffer `buf`, copied from item `qi` (zeros past its rows).
-    auto load_q = [&](const WorkItem& qi, const ItemRows& qm, int q_head, int buf) {
+    // One Q buffer: this warpgroup's 64 rows of each Q panel, copied from item `qi` (zeros past its rows).
+    auto load_q = [&](const WorkItem& qi, const ItemRows& qm, int q_head) {
       const int own_rows = min(qm.rows - 64 * cwg, 64);
-      uint16_t* own_q = reinterpret_cast<uint16_t*>(sQ + buf * Tr::kQBytes + 64 * cwg * 128);
+      uint16_t* own_q = reinterpret_cast<uint16_t*>(sQ + 64 * cwg * 128);
       if (own_rows > 0 && cwg == 0)
         load_query_rows<D, 64, 128, true, 128, Tr::kRows>(p, qi, qm.qo_start, row0, own_rows, group, q_head, own_q);
       else if (own_rows > 0)
@@ -970,7 +973,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         // One Q buffer (head_dim 256): this warpgroup copies its own rows (the other's half may still be read by
         // its products of the last item). Its warp's own rows' bounds, and the union with the other warpgroup's
         // rows (r ^ 64: the CTA's range, as the copier finds it).
-        load_q(it, m, kv_head, 0);
+        load_q(it, m, kv_head);
         cp_async_commit();
         int w_lo, w_hi;
         wgmma_row_bounds(vp, it, m, row0, group, warp_row0, lane, w_lo, w_hi, w_max_lo, w_min_hi);
