@@ -722,8 +722,9 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   // kCopierQ (two Q buffers: head_dim 64 and 128): the copier copies each item's 128 rows of Q into buffer (items
   // begun) % 2 and publishes with it, in s_qinfo of the buffer, each computing warp's bounds (the union [lo, hi) of
   // its 16 rows' KV ranges, and their intersection over the item's rows: the plain-tile test), so that a computing
-  // warpgroup's item starts with one barrier wait: q_full (the copier's 128 copies and thread 0's arrival after its
-  // warps' bounds), q_empty (the 256 computing threads are done with the buffer: products, staged store).
+  // warpgroup's item starts with one barrier wait: q_full (the copier's 128 threads' arrivals, on their Q copies or
+  // with thread 0's Q boxes counted by bytes, and thread 0's second arrival after every copier warp's bounds),
+  // q_empty (the 256 computing threads are done with the buffer: products, staged store or boxes of O).
   constexpr bool kCopierQ = Tr::kQBuffers == 2;
   __shared__ int4 s_qinfo[2][8];
   __shared__ alignas(8) uint64_t q_full[2], q_empty[2];
@@ -787,8 +788,9 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         if ((lane & 15) == 0) s_qinfo[qb][threadIdx.x / 16] = make_int4(lo, hi, max_lo, min_hi);
         if (p.tma_q_rows) {
           // One box a 64-dim panel: the 128 packed rows from row0 are 128 / group whole tokens (the host encodes the
-          // map only where the group divides 128). Rows past the item's are the next request's (or zeros past
-          // Q's end): no row of the item reads them, and they are never stored.
+          // map only where the group divides 128). Rows past the item's hold the next request's queries (or zeros
+          // past Q's end) instead of cp.async's zeros: rows are independent in the products and the softmax, and
+          // those rows are never stored.
           if (threadIdx.x == 0) {
             tma::arrive_expect_tx(&q_full[qb], Tr::kQBytes);
 #pragma unroll
@@ -950,7 +952,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       int qb = 0;  // the buffer of this item's Q
       if constexpr (kCopierQ) {
         // The copier's Q and bounds (s_qinfo); then the buffer of the last item's boxes of O, if this thread issued
-        // them, is released once they have read it (long done: they were issued before this wait).
+        // them, is released once they have read it (issued before this wait, so normally done by now).
         qb = q_items & 1;
         mbar::wait(&q_full[qb], (q_items++ / 2) & 1);
         ATTNFORGE_TRACE(tr.lap(tr.qwait);)
