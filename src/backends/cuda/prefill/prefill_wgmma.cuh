@@ -28,7 +28,7 @@ namespace attnforge::cuda {
 // printf: a call in the kernel made ptxas serialize the wgmma products. Production builds compile none of it.
 #if defined(ATTNFORGE_WGMMA_TRACE) && ATTNFORGE_WGMMA_TRACE
 #define ATTNFORGE_TRACE(...) __VA_ARGS__
-constexpr int kTraceCtas = 1024, kTraceFields = 12;
+constexpr int kTraceCtas = 1024, kTraceFields = 15;
 static __device__ long long wgmma_trace[kTraceCtas][3][kTraceFields];  // [slot][copier, computing 0, 1][field]
 // Adds one side's counters (the order run_prefill prints) to the slot of this CTA (persistent forms: its index;
 // the warp-specialized form's many CTAs share slots modulo kTraceCtas).
@@ -51,6 +51,8 @@ struct ConsumerTrace {
   long long begin = trace_clock(), t = begin;
   long long setup = 0, first = 0, wait = 0, plain = 0, masked = 0, store = 0, items = 0, tiles = 0, masked_tiles = 0;
   long long qwait = 0, stage = 0;  // the wait for the copier's Q (kCopierQ); the staged store up to its first barrier
+  long long lastpv = 0;             // kOverlapped: the item's last P V, issued after the loop and waited for
+  long long ssync = 0, between = 0;  // the staged store's barrier; from an item's last lap to the next item's start
   __device__ __forceinline__ void lap(long long& phase) {
     const long long now = trace_clock();
     phase += now - t;
@@ -59,7 +61,7 @@ struct ConsumerTrace {
   __device__ __forceinline__ void report(int cwg) {
     if ((threadIdx.x & 127) == 0)
       trace_add(1 + cwg, {items, tiles, trace_clock() - begin, masked_tiles, setup, first, wait, plain, masked, store,
-                          qwait, stage});
+                          qwait, stage, lastpv, ssync, between});
   }
 };
 #else
@@ -366,8 +368,9 @@ __device__ __forceinline__ bool wgmma_store_rows_staged(const AttentionParams& p
   const int t = threadIdx.x & 127;
   if (by_box) {
     wgmma::fence_operands();  // this thread's staged rows, visible to the accelerator's reads (the async proxy)
-    mbar::named_sync(bar, 128);
     ATTNFORGE_TRACE(tr.lap(tr.stage);)
+    mbar::named_sync(bar, 128);
+    ATTNFORGE_TRACE(tr.lap(tr.ssync);)
     if (t != 0) return false;
     // Packed row wg_row0 + lr is token (c.row0 + wg_row0 + lr) / group of the item, head kv_head * group + lr %
     // group: 64 rows are 64 / group whole tokens (group divides 64: the host sets tma_store only then).
@@ -725,8 +728,11 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   // warpgroup's item starts with one barrier wait: q_full (the copier's 128 threads' arrivals, on their Q copies or
   // with thread 0's Q boxes counted by bytes, and thread 0's second arrival after every copier warp's bounds),
   // q_empty (the 256 computing threads are done with the buffer: products, staged store or boxes of O).
+  // The copier also publishes the item's rows (ItemRows: request start, query and KV lengths, rows) in s_qrows, so
+  // the computing warpgroups never wait on the plan's qo_indptr and kv_len: those dependent loads, made a pair ahead,
+  // still stalled them ~1,700 cycles an item (H200 trace at 1d7130c, "qwait").
   constexpr bool kCopierQ = Tr::kQBuffers == 2;
-  __shared__ int4 s_qinfo[2][8];
+  __shared__ int4 s_qinfo[2][8], s_qrows[2];
   __shared__ alignas(8) uint64_t q_full[2], q_empty[2];
   uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
   uint8_t* sQ = smem;
@@ -786,6 +792,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         const uint32_t q_use = q_items++ / 2;
         if (q_use > 0) mbar::wait(&q_empty[qb], (q_use & 1) ^ 1);  // its last item's products and store are done
         if ((lane & 15) == 0) s_qinfo[qb][threadIdx.x / 16] = make_int4(lo, hi, max_lo, min_hi);
+        if (threadIdx.x == 0) s_qrows[qb] = make_int4(m.qo_start, m.qo_len, m.kv_len, m.rows);
         if (p.tma_q_rows) {
           // One box a 64-dim panel: the 128 packed rows from row0 are 128 / group whole tokens (the host encodes the
           // map only where the group divides 128). Rows past the item's hold the next request's queries (or zeros
@@ -929,23 +936,30 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       const int h = w / num_items;
       return plan.items[num_items - 1 - (w - h * num_items)];
     };
+    // kCopierQ: the rows come with Q (s_qrows); whether the item has any from row0 on needs the WorkItem alone.
+    auto has_rows = [&](const WorkItem& x, ItemRows& xm) {
+      if constexpr (kCopierQ)
+        return row0 < (x.qo_end - x.qo_begin) * group;
+      else
+        return item_rows<Tr::kRows>(plan, x, group, row0, xm);
+    };
     WorkItem it_next{}, it_after{};
     ItemRows m_next{};
     bool ok_next = false;
     if (blockIdx.x < num_work) {
       it_next = item_at(blockIdx.x);
-      ok_next = item_rows<Tr::kRows>(plan, it_next, group, row0, m_next);
+      ok_next = has_rows(it_next, m_next);
     }
     if (blockIdx.x + gridDim.x < num_work) it_after = item_at(blockIdx.x + gridDim.x);
     for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
-      ATTNFORGE_TRACE(tr.t = trace_clock(); ++tr.items;)
+      ATTNFORGE_TRACE(tr.lap(tr.between); ++tr.items;)
       const int kv_head = w / num_items;
       const WorkItem it = it_next;
       ItemRows m = m_next;
       const bool ok = ok_next;
       const int w_next = w + gridDim.x;
       it_next = it_after;
-      ok_next = w_next < num_work && item_rows<Tr::kRows>(plan, it_next, group, row0, m_next);
+      ok_next = w_next < num_work && has_rows(it_next, m_next);
       if (w_next + gridDim.x < num_work) it_after = item_at(w_next + gridDim.x);
       if (!ok) continue;
       int w_max_lo, w_min_hi, range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
@@ -962,6 +976,8 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
           q_release = -1;
         }
         wgmma::fence_operands();  // Q, copied by the copier and seen through the barrier, before the tensor cores
+        const int4 rows = s_qrows[qb];
+        m.b = it.request, m.qo_start = rows.x, m.qo_len = rows.y, m.kv_len = rows.z, m.rows = rows.w;
         const int4 own = s_qinfo[qb][warp - 4];
         w_max_lo = own.z, w_min_hi = own.w;
 #pragma unroll
@@ -1077,6 +1093,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
           wgmma_issue_pv<Tr>(st.o_acc, p_frag, smem_address(sV + s * Tr::kStageBytes));
           wgmma::wait<0>();
           mbar::arrive(&empty_v[s]);
+          ATTNFORGE_TRACE(tr.lap(tr.lastpv);)
         }
 #pragma unroll 1
         for (int t = t_hi; t < num_tiles; ++t) skip(count++);
