@@ -349,6 +349,17 @@ TEST(CudaPrefillSmall, RaggedCausal) {
   EXPECT_TRUE(error.empty()) << error;
 }
 
+// Paged K/V whose whole tiles the Hopper kernel's copier takes as tensor-map boxes by default (a box per page, from
+// four lanes; prefill.h: prefill_tma): pages of 16 tokens (CSR) and of 256 (a block table; a box is then a tile),
+// shuffled, spare ones poisoned, partial last pages and tiles (cp.async), an empty request, a group of 4; sanitized.
+TEST(CudaPrefillSmall, PagedBoxesCausal) {
+  for (const auto& [page, format] : {std::pair{16, KVFormat::kPagedCSR}, std::pair{256, KVFormat::kBlockTable}}) {
+    const std::string error =
+        run_small_causal_prefill(128, page, {300, 0, 131, 50}, {300, 7, 397, 50}, 53 + page, format, 4);
+    EXPECT_TRUE(error.empty()) << "page size " << page << ": " << error;
+  }
+}
+
 // Batches of short queries (speculative verification: a few tokens per request onto long caches) plan query tiles
 // of at most 64 packed rows, so run() launches the short-tile prefill kernel (one m16 tile per warp): every head
 // dim, groups of 4 and 7, page sizes 1 and 16, causal and not, with RoPE and sinks, split KV included. Each plan is

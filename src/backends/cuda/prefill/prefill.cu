@@ -134,7 +134,7 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
 }
 
 // The persistent forms, their K/V tiles by the tensor memory accelerator where ATTNFORGE_PREFILL_TMA takes the
-// format (prefill_tma: ragged K/V by default) and the layout allows it (kv_tma_box_slots), and (the forms whose
+// format (prefill_tma: ragged and paged K/V by default) and the layout allows it (kv_tma_box_slots), and (the forms whose
 // copier copies Q: two Q buffers) Q copied and final rows written as boxes where ATTNFORGE_PREFILL_TMA_Q and
 // ATTNFORGE_PREFILL_TMA_STORE allow and qo_tma_fits: the maps are encoded into a copy of the parameters for this
 // launch.
@@ -262,8 +262,8 @@ int prefill_tile_rows(int head_dim) {
 
 PrefillTma prefill_tma() {
   static const PrefillTma mode = [] {
-    const std::string v = detail::env_choice("ATTNFORGE_PREFILL_TMA", {"auto", "0", "1"}, "auto");
-    return v == "1" ? PrefillTma::kAll : v == "0" ? PrefillTma::kOff : PrefillTma::kRagged;
+    const std::string v = detail::env_choice("ATTNFORGE_PREFILL_TMA", {"auto", "0", "1", "ragged"}, "auto");
+    return v == "0" ? PrefillTma::kOff : v == "ragged" ? PrefillTma::kRagged : PrefillTma::kAll;
   }();
   return mode;
 }

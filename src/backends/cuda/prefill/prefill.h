@@ -41,9 +41,11 @@ int prefill_tile_rows(int head_dim);
 // than "2" on the H200 at 1bc07db, kept for study). Read once.
 int prefill_wgmma_form();
 // Which K/V the Hopper kernel's persistent forms (2 and 3) copy with the tensor memory accelerator, where the
-// layout allows it (kv_tma_box_slots), rather than with cp.async: ATTNFORGE_PREFILL_TMA "auto" (the default,
-// kRagged: a tile's rows are one box per 64-dim panel), "1" (kAll: paged K/V too, a box per page; measured 18%
-// slower than cp.async with 16-token pages on the H200 at e4daea1, ragged 9-12% faster) or "0" (kOff). Read once.
+// layout allows it (kv_tma_box_slots), rather than with cp.async: ATTNFORGE_PREFILL_TMA "auto" or "1" (the
+// default, kAll: ragged K/V, a tile's rows one box per 64-dim panel, and paged K/V, a box per page, issued by lane 0
+// of each of the four copier warps; paged boxes 6-13% faster than cp.async with 16-token pages on the H200 at
+// d5bb98c, when one thread issued them all 18% slower at e4daea1), "ragged" (kRagged: paged K/V by cp.async) or "0"
+// (kOff). Read once.
 enum class PrefillTma { kOff, kRagged, kAll };
 PrefillTma prefill_tma();
 // The tokens of a page one accelerator box copies for tiles of `tile_tokens` tokens: the page size, or the tile
