@@ -94,13 +94,14 @@ int configure_wgmma() {
 
 // Head_dim 256 has neither the barrier form (the warp-specialized one runs instead) nor the overlapped one (the
 // pipelined one): with O at 128 registers a thread, holding S and the last tile's P besides made ptxas spill in the
-// tile loop and serialize the products.
+// tile loop and serialize the products. Nor the deferred one (the pipelined one): it stages an item's rows in the
+// Q buffer the next item does not use, and head_dim 256 has one.
 template <int D>
 WgmmaForm form_at(WgmmaForm form) {
   if (D != 256) return form;
-  return form == WgmmaForm::kBarrier ? WgmmaForm::kWarpSpecialized
-         : form == WgmmaForm::kOverlapped ? WgmmaForm::kPipelined
-                                          : form;
+  return form == WgmmaForm::kBarrier                                           ? WgmmaForm::kWarpSpecialized
+         : form == WgmmaForm::kOverlapped || form == WgmmaForm::kDeferred ? WgmmaForm::kPipelined
+                                                                               : form;
 }
 
 template <int D>
@@ -114,6 +115,9 @@ int configure_wgmma_form(WgmmaForm form) {
     case WgmmaForm::kOverlapped:
       if constexpr (D != 256) return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kOverlapped>>();
       [[fallthrough]];
+    case WgmmaForm::kDeferred:
+      if constexpr (D != 256) return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kDeferred>>();
+      [[fallthrough]];
     default: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kPipelined>>();
   }
 }
@@ -125,7 +129,7 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
   // The pipelined form is persistent: one CTA per SM walks the (KV head, item) pairs (grid x times y of the
   // others), so its copier can run ahead into the next pair. From the capacities and the SM count alone, so a
   // captured graph survives re-plans.
-  if constexpr (kForm == WgmmaForm::kPipelined || kForm == WgmmaForm::kOverlapped)
+  if constexpr (kForm == WgmmaForm::kPipelined || kForm == WgmmaForm::kOverlapped || kForm == WgmmaForm::kDeferred)
     dims.grid = dim3(std::min(dims.grid.x * dims.grid.y, static_cast<unsigned>(sm_count())), 1, dims.grid.z);
   dims.block = dim3(Tr::kThreads);
   dims.smem_bytes = Tr::kSmemBytes;
@@ -134,15 +138,17 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
 }
 
 // The persistent forms, their K/V tiles by the tensor memory accelerator where ATTNFORGE_PREFILL_TMA takes the
-// format (prefill_tma: ragged and paged K/V by default) and the layout allows it (kv_tma_box_slots), and (the forms whose
-// copier copies Q: two Q buffers) Q copied and final rows written as boxes where ATTNFORGE_PREFILL_TMA_Q and
-// ATTNFORGE_PREFILL_TMA_STORE allow and qo_tma_fits: the maps are encoded into a copy of the parameters for this
-// launch.
+// format (prefill_tma: ragged K/V, and paged K/V at head_dim 128 and 256, by default) and the layout allows it
+// (kv_tma_box_slots), and (the forms whose copier copies Q: two Q buffers) Q copied and final rows written as boxes
+// where ATTNFORGE_PREFILL_TMA_Q and ATTNFORGE_PREFILL_TMA_STORE allow and qo_tma_fits: the maps are encoded into a
+// copy of the parameters for this launch.
 template <int D, typename Elem, WgmmaForm kForm>
 void launch_persistent(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
   using Tr = PrefillWgmmaTraits<D, Elem, kForm>;
   const PrefillTma mode = prefill_tma();
-  const bool wanted = mode == PrefillTma::kAll || (mode == PrefillTma::kRagged && p.kv.format == KVFormat::kRagged);
+  const bool wanted = p.kv.format == KVFormat::kRagged
+                          ? mode != PrefillTma::kOff
+                          : mode == PrefillTma::kAll || (mode == PrefillTma::kAuto && D >= 128);
   const int slots = wanted ? kv_tma_box_slots(p.kv, Tr::kTileTokens) : 0;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const bool store = Tr::kQBuffers == 2 && prefill_tma_store() && qo_tma_fits(p, true, group, 64);
@@ -182,6 +188,9 @@ void launch_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t
     case WgmmaForm::kWarpSpecialized: return launch_wgmma_form<D, Elem, WgmmaForm::kWarpSpecialized>(p, dims, stream);
     case WgmmaForm::kOverlapped:
       if constexpr (D != 256) return launch_persistent<D, Elem, WgmmaForm::kOverlapped>(p, dims, stream);
+      [[fallthrough]];
+    case WgmmaForm::kDeferred:
+      if constexpr (D != 256) return launch_persistent<D, Elem, WgmmaForm::kDeferred>(p, dims, stream);
       [[fallthrough]];
     default: return launch_persistent<D, Elem, WgmmaForm::kPipelined>(p, dims, stream);
   }
@@ -263,7 +272,10 @@ int prefill_tile_rows(int head_dim) {
 PrefillTma prefill_tma() {
   static const PrefillTma mode = [] {
     const std::string v = detail::env_choice("ATTNFORGE_PREFILL_TMA", {"auto", "0", "1", "ragged"}, "auto");
-    return v == "0" ? PrefillTma::kOff : v == "ragged" ? PrefillTma::kRagged : PrefillTma::kAll;
+    return v == "0"        ? PrefillTma::kOff
+           : v == "ragged" ? PrefillTma::kRagged
+           : v == "1"      ? PrefillTma::kAll
+                           : PrefillTma::kAuto;
   }();
   return mode;
 }
@@ -301,7 +313,7 @@ bool qo_tma_fits(const AttentionParams& p, bool out, int group, int rows) {
 }
 
 int prefill_wgmma_form() {
-  static const int form = std::stoi(detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1", "2", "3"}, "2"));
+  static const int form = std::stoi(detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1", "2", "3", "4"}, "2"));
   return form;
 }
 
@@ -344,7 +356,8 @@ void print_wgmma_trace(cudaStream_t stream) {
       std::printf("wgmma-trace consumer%d cta %d items %lld tiles %lld total %lld masked_tiles %lld setup %lld "
                   "first %lld wait %lld plain %lld masked %lld store %lld qwait %lld stage %lld lastpv %lld ssync %lld "
                   "between %lld\n",
-                  g, cta, o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10], o[11], o[12], o[13], o[14]);
+                  g, cta, o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10], o[11], o[12], o[13],
+                  o[14]);
     }
   }
 }

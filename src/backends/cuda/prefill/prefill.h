@@ -38,15 +38,17 @@ int prefill_tile_rows(int head_dim);
 // the last), "1" (kWarpSpecialized: the CTA meets twice per item), "0" (kBarrier: all 256 threads copy and meet at
 // a barrier per tile; head_dim 256 runs "1" instead) or "3" (kOverlapped: as "2", and each computing warpgroup runs
 // a tile's softmax while the last tile's O += P V runs; not at head_dim 256, which runs "2"; measured 7-13% slower
-// than "2" on the H200 at 1bc07db, kept for study). Read once.
+// than "2" on the H200 at 1bc07db, kept for study) or "4" (kDeferred: as "2", and each computing warpgroup writes an
+// item's rows while the next item's first S = Q K^T runs; not at head_dim 256, which runs "2"). Read once.
 int prefill_wgmma_form();
 // Which K/V the Hopper kernel's persistent forms (2 and 3) copy with the tensor memory accelerator, where the
-// layout allows it (kv_tma_box_slots), rather than with cp.async: ATTNFORGE_PREFILL_TMA "auto" or "1" (the
-// default, kAll: ragged K/V, a tile's rows one box per 64-dim panel, and paged K/V, a box per page, issued by lane 0
-// of each of the four copier warps; paged boxes 6-13% faster than cp.async with 16-token pages on the H200 at
-// d5bb98c, when one thread issued them all 18% slower at e4daea1), "ragged" (kRagged: paged K/V by cp.async) or "0"
-// (kOff). Read once.
-enum class PrefillTma { kOff, kRagged, kAll };
+// layout allows it (kv_tma_box_slots), rather than with cp.async: ATTNFORGE_PREFILL_TMA "auto" (the default,
+// kAuto: ragged K/V, a tile's rows one box per 64-dim panel, and paged K/V at head_dim 128 and 256, a box per page,
+// issued by lane 0 of each of the four copier warps), "1" (kAll: paged K/V at head_dim 64 too), "ragged" (kRagged:
+// paged K/V by cp.async) or "0" (kOff). Paged boxes against cp.async with 16-token pages on the H200 (d5bb98c,
+// d101df3): 6-8% faster at head_dim 128, 12% at 256, 1.8% slower at 64; 18% slower at 128 when one thread issued
+// them all (e4daea1). Read once.
+enum class PrefillTma { kOff, kRagged, kAuto, kAll };
 PrefillTma prefill_tma();
 // The tokens of a page one accelerator box copies for tiles of `tile_tokens` tokens: the page size, or the tile
 // where pages are longer, for 16-bit paged K/V whose pages hold 8 tokens or more and divide or are divided by the
