@@ -94,14 +94,13 @@ int configure_wgmma() {
 
 // Head_dim 256 has neither the barrier form (the warp-specialized one runs instead) nor the overlapped one (the
 // pipelined one): with O at 128 registers a thread, holding S and the last tile's P besides made ptxas spill in the
-// tile loop and serialize the products. Nor the deferred one (the pipelined one): it stages an item's rows in the
-// Q buffer the next item does not use, and head_dim 256 has one.
+// tile loop and serialize the products.
 template <int D>
 WgmmaForm form_at(WgmmaForm form) {
   if (D != 256) return form;
-  return form == WgmmaForm::kBarrier                                           ? WgmmaForm::kWarpSpecialized
-         : form == WgmmaForm::kOverlapped || form == WgmmaForm::kDeferred ? WgmmaForm::kPipelined
-                                                                               : form;
+  return form == WgmmaForm::kBarrier ? WgmmaForm::kWarpSpecialized
+         : form == WgmmaForm::kOverlapped ? WgmmaForm::kPipelined
+                                          : form;
 }
 
 template <int D>
@@ -115,9 +114,6 @@ int configure_wgmma_form(WgmmaForm form) {
     case WgmmaForm::kOverlapped:
       if constexpr (D != 256) return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kOverlapped>>();
       [[fallthrough]];
-    case WgmmaForm::kDeferred:
-      if constexpr (D != 256) return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kDeferred>>();
-      [[fallthrough]];
     default: return configure_wgmma<PrefillWgmmaTraits<D, Bf16, WgmmaForm::kPipelined>>();
   }
 }
@@ -129,7 +125,7 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
   // The pipelined form is persistent: one CTA per SM walks the (KV head, item) pairs (grid x times y of the
   // others), so its copier can run ahead into the next pair. From the capacities and the SM count alone, so a
   // captured graph survives re-plans.
-  if constexpr (kForm == WgmmaForm::kPipelined || kForm == WgmmaForm::kOverlapped || kForm == WgmmaForm::kDeferred)
+  if constexpr (kForm == WgmmaForm::kPipelined || kForm == WgmmaForm::kOverlapped)
     dims.grid = dim3(std::min(dims.grid.x * dims.grid.y, static_cast<unsigned>(sm_count())), 1, dims.grid.z);
   dims.block = dim3(Tr::kThreads);
   dims.smem_bytes = Tr::kSmemBytes;
@@ -188,9 +184,6 @@ void launch_wgmma(const AttentionParams& p, const KernelDims& dims, cudaStream_t
     case WgmmaForm::kWarpSpecialized: return launch_wgmma_form<D, Elem, WgmmaForm::kWarpSpecialized>(p, dims, stream);
     case WgmmaForm::kOverlapped:
       if constexpr (D != 256) return launch_persistent<D, Elem, WgmmaForm::kOverlapped>(p, dims, stream);
-      [[fallthrough]];
-    case WgmmaForm::kDeferred:
-      if constexpr (D != 256) return launch_persistent<D, Elem, WgmmaForm::kDeferred>(p, dims, stream);
       [[fallthrough]];
     default: return launch_persistent<D, Elem, WgmmaForm::kPipelined>(p, dims, stream);
   }
@@ -313,7 +306,7 @@ bool qo_tma_fits(const AttentionParams& p, bool out, int group, int rows) {
 }
 
 int prefill_wgmma_form() {
-  static const int form = std::stoi(detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1", "2", "3", "4"}, "2"));
+  static const int form = std::stoi(detail::env_choice("ATTNFORGE_PREFILL_WGMMA_WS", {"0", "1", "2", "3"}, "2"));
   return form;
 }
 

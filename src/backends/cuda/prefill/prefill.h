@@ -38,8 +38,7 @@ int prefill_tile_rows(int head_dim);
 // the last), "1" (kWarpSpecialized: the CTA meets twice per item), "0" (kBarrier: all 256 threads copy and meet at
 // a barrier per tile; head_dim 256 runs "1" instead) or "3" (kOverlapped: as "2", and each computing warpgroup runs
 // a tile's softmax while the last tile's O += P V runs; not at head_dim 256, which runs "2"; measured 7-13% slower
-// than "2" on the H200 at 1bc07db, kept for study) or "4" (kDeferred: as "2", and each computing warpgroup writes an
-// item's rows while the next item's first S = Q K^T runs; not at head_dim 256, which runs "2"). Read once.
+// than "2" on the H200 at 1bc07db, kept for study). Read once.
 int prefill_wgmma_form();
 // Which K/V the Hopper kernel's persistent forms (2 and 3) copy with the tensor memory accelerator, where the
 // layout allows it (kv_tma_box_slots), rather than with cp.async: ATTNFORGE_PREFILL_TMA "auto" (the default,

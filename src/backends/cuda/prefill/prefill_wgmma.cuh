@@ -79,9 +79,7 @@ struct ConsumerTrace {
 //   kOverlapped: as kPipelined, and each computing warpgroup issues tile t's S = Q K^T together with tile t - 1's
 //     O += P V and runs tile t's softmax while the latter runs (K and V stages get barriers of their own: a tile's K
 //     is free once its S has completed, its V once its P V has).
-//   kDeferred: as kPipelined (head_dim 64 and 128), and each computing warpgroup writes an item's rows while the
-//     next item's first S = Q K^T runs, instead of between the two items.
-enum class WgmmaForm { kBarrier = 0, kWarpSpecialized = 1, kPipelined = 2, kOverlapped = 3, kDeferred = 4 };
+enum class WgmmaForm { kBarrier = 0, kWarpSpecialized = 1, kPipelined = 2, kOverlapped = 3 };
 
 template <int kHeadDim_, typename Elem_, WgmmaForm kForm_ = WgmmaForm::kBarrier>
 struct PrefillWgmmaTraits {
@@ -114,11 +112,8 @@ struct PrefillWgmmaTraits {
   // the computing warpgroups work on the item in the other (a Q load was most of an item's 4,300 cycles of setup,
   // H200 trace at fd447de; 931 cycles with Q and bounds by the copier at 1d7130c). Head_dim 256's Q is 64 KB: one
   // buffer.
-  static constexpr int kQBuffers = (kForm == WgmmaForm::kPipelined || kForm == WgmmaForm::kOverlapped ||
-                                    kForm == WgmmaForm::kDeferred) &&
-                                           kHeadDim != 256
-                                       ? 2
-                                       : 1;
+  static constexpr int kQBuffers =
+      (kForm == WgmmaForm::kPipelined || kForm == WgmmaForm::kOverlapped) && kHeadDim != 256 ? 2 : 1;
   // Q, the K and V stages (160 KB at head_dim 128, 192 KB with two Q buffers or at head_dim 256), and 1 KB to align
   // the panels to 1024 bytes.
   static constexpr int kSmemBytes = kQBuffers * kQBytes + 2 * kStages * kStageBytes + 1024;
@@ -295,16 +290,14 @@ __device__ __forceinline__ void wgmma_issue_pv(float (&o_acc)[Tr::kHeadDim / 2],
 }
 
 // One K/V tile, its phases in order; returns when both products have completed.
-// `while_s` runs while S is computed (the deferred form: the last item's rows written, then `st` reset).
-template <class Tr, class WhileS>
+template <class Tr>
 __device__ __forceinline__ void wgmma_attend_tile(const AttentionParams& p, const WgmmaItem& c,
                                                   WgmmaRows<Tr::kHeadDim>& st, uint32_t q_addr, uint32_t k_addr,
-                                                  uint32_t v_addr, int tile_start, WhileS&& while_s) {
+                                                  uint32_t v_addr, int tile_start) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int N = Tr::kTileTokens;
   float s_acc[N / 2];
   wgmma_issue_s<Tr>(s_acc, q_addr, k_addr);
-  while_s();
   wgmma::wait<0>();
   float corr[2];
   wgmma_softmax<Tr>(p, c, st, s_acc, tile_start, corr);
@@ -413,21 +406,15 @@ __device__ __forceinline__ bool wgmma_staged_store(const AttentionParams& p, con
 
 // The warp-specialized and pipelined forms' computing warpgroup on an item's num_tiles K/V tiles from range_lo,
 // in the stages' order (tile count `count`): each waited for on its full barrier, attended where some row of the
-// warpgroup sees it ([g_lo, g_hi)), and released on its empty one. `at_first` runs once: while the first attended
-// tile's S is computed, or after the tiles if the warpgroup attends none (the deferred form's last-item store).
-template <class Tr, class AtFirst>
+// warpgroup sees it ([g_lo, g_hi)), and released on its empty one.
+template <class Tr>
 __device__ __forceinline__ void wgmma_consume_tiles(const AttentionParams& p, const WgmmaItem& c,
                                                     WgmmaRows<Tr::kHeadDim>& st, uint32_t q_addr, uint8_t* sK,
                                                     uint8_t* sV, uint64_t* full, uint64_t* empty, uint32_t& count,
-                                                    int range_lo, int num_tiles, int g_lo, int g_hi,
-                                                    AtFirst&& at_first ATTNFORGE_TRACE(, ConsumerTrace& tr)) {
+                                                    int range_lo, int num_tiles, int g_lo,
+                                                    int g_hi ATTNFORGE_TRACE(, ConsumerTrace& tr)) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int N = Tr::kTileTokens, S = Tr::kStages;
-  bool first = true;
-  auto while_s = [&] {
-    if (first) at_first();
-    first = false;
-  };
 #pragma unroll 1
   for (int t = 0; t < num_tiles; ++t, ++count) {
     const int s = count % S;
@@ -437,13 +424,12 @@ __device__ __forceinline__ void wgmma_consume_tiles(const AttentionParams& p, co
     const int tile_start = range_lo + t * N;
     if (tile_start < g_hi && tile_start + N > g_lo)  // some row of this warpgroup sees the tile
       wgmma_attend_tile<Tr>(p, c, st, q_addr, smem_address(sK + s * Tr::kStageBytes),
-                            smem_address(sV + s * Tr::kStageBytes), tile_start, while_s);
+                            smem_address(sV + s * Tr::kStageBytes), tile_start);
     mbar::arrive(&empty[s]);
     ATTNFORGE_TRACE(const bool tr_is_plain = !c.transform && !p.variant.custom_mask && tile_start >= c.w_max_lo &&
                                              tile_start + N <= c.w_min_hi;
                     tr.lap(tr_is_plain ? tr.plain : tr.masked); tr.masked_tiles += !tr_is_plain;)
   }
-  if (first) at_first();
 #endif
 }
 
@@ -571,7 +557,7 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
       const uint32_t k_addr = smem_address(sK + (t % Tr::kStages) * Tr::kStageBytes);
       const uint32_t v_addr = smem_address(sV + (t % Tr::kStages) * Tr::kStageBytes);
 
-      wgmma_attend_tile<Tr>(p, c, st, q_addr, k_addr, v_addr, tile_start, [] {});
+      wgmma_attend_tile<Tr>(p, c, st, q_addr, k_addr, v_addr, tile_start);
     }
     cp_async_wait<0>();
     grid_launch_dependents();  // the merge kernel may be scheduled (it waits for this grid's end before reading)
@@ -697,8 +683,8 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
       WgmmaRows<D> st;
       wgmma_reset_rows(st);
       ATTNFORGE_TRACE(tr.lap(tr.setup); tr.tiles += num_tiles;)
-      wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo, g_hi,
-                              [] {} ATTNFORGE_TRACE(, tr));
+      wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo,
+                              g_hi ATTNFORGE_TRACE(, tr));
       if (index + gridDim.x >= num_items) grid_launch_dependents();  // this CTA's last item
       wgmma_store_item<Tr>(p, c, st, sQ + 64 * cwg * 128, 64 * cwg, 5 + cwg, false ATTNFORGE_TRACE(, tr));
       mbar::named_sync(3, Tr::kThreads);
@@ -720,13 +706,8 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
 template <class Tr>
 __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionParams& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(Tr::kForm == WgmmaForm::kPipelined || Tr::kForm == WgmmaForm::kOverlapped ||
-                    Tr::kForm == WgmmaForm::kDeferred,
-                "persistent forms");
+  static_assert(Tr::kForm == WgmmaForm::kPipelined || Tr::kForm == WgmmaForm::kOverlapped, "persistent forms");
   constexpr bool kOverlap = Tr::kForm == WgmmaForm::kOverlapped;
-  // kDeferred: a computing warpgroup writes an item's rows while the next item's first S = Q K^T runs (the last
-  // item's O, m and l stay in registers until then), instead of between the two items.
-  constexpr bool kDefer = Tr::kForm == WgmmaForm::kDeferred;
   constexpr int D = Tr::kHeadDim, N = Tr::kTileTokens, S = Tr::kStages;
   extern __shared__ uint8_t smem_raw[];
   __shared__ int2 s_range[2][4];          // copier: its warps' KV range, by item parity
@@ -751,9 +732,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   // the computing warpgroups never wait on the plan's qo_indptr and kv_len: those dependent loads, made a pair ahead,
   // still stalled them ~1,700 cycles an item (H200 trace at 1d7130c, "qwait").
   constexpr bool kCopierQ = Tr::kQBuffers == 2;
-  static_assert(!kDefer || kCopierQ, "the deferred rows are staged in the Q buffer the next item does not use");
   __shared__ int4 s_qinfo[2][8], s_qrows[2];
-  __shared__ int4 s_qitem[kDefer ? 2 : 1];  // kDefer: the item's qo_begin, partial_row, KV head, request
   __shared__ alignas(8) uint64_t q_full[2], q_empty[2];
   uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
   uint8_t* sQ = smem;
@@ -814,8 +793,6 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         if (q_use > 0) mbar::wait(&q_empty[qb], (q_use & 1) ^ 1);  // its last item's products and store are done
         if ((lane & 15) == 0) s_qinfo[qb][threadIdx.x / 16] = make_int4(lo, hi, max_lo, min_hi);
         if (threadIdx.x == 0) s_qrows[qb] = make_int4(m.qo_start, m.qo_len, m.kv_len, m.rows);
-        if constexpr (kDefer)
-          if (threadIdx.x == 0) s_qitem[qb] = make_int4(it.qo_begin, it.partial_row, kv_head, it.request);
         if (p.tma_q_rows) {
           // One box a 64-dim panel: the 128 packed rows from row0 are 128 / group whole tokens (the host encodes the
           // map only where the group divides 128). Rows past the item's hold the next request's queries (or zeros
@@ -973,24 +950,6 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       it_next = item_at(blockIdx.x);
       ok_next = has_rows(it_next, m_next);
     }
-    // kDefer: the rows of the item before (its Q buffer pending_qb, its item and rows still in s_qitem and s_qrows:
-    // the copier rewrites them only after q_empty) are written from st_kept during this item's first S; then the
-    // buffer is released (thread 0 of a warpgroup that issued boxes of O waits until they have read it).
-    [[maybe_unused]] WgmmaRows<D> st_kept;
-    int pending_qb = -1;
-    auto write_pending = [&] {
-      const int4 r = s_qrows[pending_qb], x = s_qitem[pending_qb];
-      WorkItem pit{};
-      pit.request = x.w, pit.qo_begin = x.x, pit.partial_row = x.y;
-      const WgmmaItem pc{pit,  x.w,  r.w, row0, group,      x.z,      r.x, r.y, r.z, warp_row0,
-                         lane, 0,    0,   scale_log2, transform};
-      if (wgmma_store_item<Tr>(p, pc, st_kept, sQ + pending_qb * Tr::kQBytes + 64 * cwg * 128, 64 * cwg, 4 + cwg,
-                               p.tma_store ATTNFORGE_TRACE(, tr)))
-        tma::store_wait_read();
-      mbar::arrive(&q_empty[pending_qb]);
-      pending_qb = -1;
-      ATTNFORGE_TRACE(tr.lap(tr.store);)
-    };
     if (blockIdx.x + gridDim.x < num_work) it_after = item_at(blockIdx.x + gridDim.x);
     for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
       ATTNFORGE_TRACE(tr.lap(tr.between); ++tr.items;)
@@ -1066,9 +1025,8 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
       const WgmmaItem c{it,        m.b,  m.rows,   row0,     group,      kv_head,  m.qo_start, m.qo_len, m.kv_len,
                         warp_row0, lane, w_max_lo, w_min_hi, scale_log2, transform};
-      WgmmaRows<D> st_own;
-      WgmmaRows<D>& st = kDefer ? st_kept : st_own;
-      if constexpr (!kDefer) wgmma_reset_rows(st);
+      WgmmaRows<D> st;
+      wgmma_reset_rows(st);
       ATTNFORGE_TRACE(tr.lap(tr.setup); tr.tiles += num_tiles;)
       if constexpr (kOverlap) {
         // The tiles some row of this warpgroup sees are a run [t_lo, t_hi); the others are waited for and released
@@ -1140,19 +1098,9 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
 #pragma unroll 1
         for (int t = t_hi; t < num_tiles; ++t) skip(count++);
       }
-      if constexpr (kDefer) {
-        wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo, g_hi,
-                                [&] {
-                                  if (pending_qb >= 0) write_pending();
-                                  wgmma_reset_rows(st);
-                                } ATTNFORGE_TRACE(, tr));
-        pending_qb = qb;
-        if (w + gridDim.x >= num_work) grid_launch_dependents();
-        continue;
-      } else if constexpr (!kOverlap) {
-        wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo, g_hi,
-                                [] {} ATTNFORGE_TRACE(, tr));
-      }
+      if constexpr (!kOverlap)
+        wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo,
+                                g_hi ATTNFORGE_TRACE(, tr));
       if (w + gridDim.x >= num_work) grid_launch_dependents();  // this CTA's last item
       // Staged through its own rows of Q (which the next item's Q load waits for), by boxes of O where the host
       // encoded the map (kCopierQ only: the issuing thread releases the buffer later, the others now).
@@ -1166,12 +1114,8 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       }
       ATTNFORGE_TRACE(tr.lap(tr.store);)
     }
-    if constexpr (kDefer) {
-      if (pending_qb >= 0) write_pending();  // the CTA's last item
-      tma::store_wait();
-    } else if constexpr (kCopierQ) {
+    if constexpr (kCopierQ)
       if (q_release >= 0) tma::store_wait();  // the boxes' reads of shared memory and writes of O, before exit
-    }
     ATTNFORGE_TRACE(tr.report(cwg);)
   }
 #endif
@@ -1181,8 +1125,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
 template <class Tr>
 // __grid_constant__: the tensor maps in p are read by the accelerator where they lie, in the kernel's parameters.
 __global__ void __launch_bounds__(Tr::kThreads, 1) prefill_wgmma_kernel(const __grid_constant__ AttentionParams p) {
-  if constexpr (Tr::kForm == WgmmaForm::kPipelined || Tr::kForm == WgmmaForm::kOverlapped ||
-                Tr::kForm == WgmmaForm::kDeferred)
+  if constexpr (Tr::kForm == WgmmaForm::kPipelined || Tr::kForm == WgmmaForm::kOverlapped)
     prefill_wgmma_pipelined_body<Tr>(p);
   else if constexpr (Tr::kForm == WgmmaForm::kWarpSpecialized)
     prefill_wgmma_ws_body<Tr>(p);
