@@ -169,6 +169,7 @@ inline void fp8x16_to_bf16(const uint8_t* src, uint16_t* dst) {
 }
 #endif
 
+#if defined(ATTNFORGE_CPU_RAW_KV)
 // n fp8 codes (e4m3 or e5m2) to bf16, exactly: the fp32 value's top half (n a multiple of 16).
 __attribute__((noinline)) void fp8_row_to_bf16(const uint8_t* src, DType type, int32_t n, uint16_t* dst) {
 #if defined(__AVX512BF16__)
@@ -190,6 +191,7 @@ __attribute__((noinline)) void fp8_row_to_bf16(const uint8_t* src, DType type, i
     std::memcpy(dst + i, &h, sizeof(h));
   }
 }
+#endif
 
 // Calls f.template operator()<R>(first row) over rows [begin, end) in groups of R <= 4 rows (registers: 16 score
 // accumulators, or 8 P V chains).
@@ -401,6 +403,8 @@ void unpermute_row(const float* permuted, float* out, int32_t d) {
     for (int32_t j = 0; j < 8; ++j) out[c + 2 * j] = permuted[c + j], out[c + 2 * j + 1] = permuted[c + 8 + j];
 }
 constexpr bool kRawQ = false;  // score_rows_bf16 reads fp32 Q rows, already scaled
+#else
+constexpr bool kRawQ = false;  // no raw paths
 #endif
 
 void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t head1, int32_t row0,
@@ -431,7 +435,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   }
 
   const bool rope = vp.rope.enabled != 0;
-  const bool fp8 = kv.dtype == DType::kFloat8E4M3 || kv.dtype == DType::kFloat8E5M2;
+  [[maybe_unused]] const bool fp8 = kv.dtype == DType::kFloat8E4M3 || kv.dtype == DType::kFloat8E5M2;
 #if defined(__AVX512BF16__)
   // bf16 Q and K without RoPE: dot products on the raw bf16 values (see score_rows_bf16).
   // bf16 Q and V: P V on the raw values too, with probabilities rounded to bf16, the input precision (as
@@ -455,13 +459,13 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   const bool raw_bf16 = (kv.dtype == DType::kBFloat16 && !rope && dqk % 16 == 0) || fp8_as_bf16;
   const bool raw_pv = (kv.dtype == DType::kBFloat16 && dvo % 16 == 0) || fp8_as_bf16;
 #else
-  const bool raw_bf16 = false, raw_pv = false, fp8_as_bf16 = false;
+  [[maybe_unused]] const bool raw_bf16 = false, raw_pv = false, fp8_as_bf16 = false;
 #endif
   // Sources of the raw paths: the cache itself, or the block's rows converted from fp8 (in the K and V block buffers).
   uint16_t* kb16 = reinterpret_cast<uint16_t*>(kb);
   uint16_t* vb16 = reinterpret_cast<uint16_t*>(vb);
-  const uint16_t* k_src = fp8_as_bf16 ? kb16 : static_cast<const uint16_t*>(kv.k);
-  const uint16_t* v_src = fp8_as_bf16 ? vb16 : static_cast<const uint16_t*>(kv.v);
+  [[maybe_unused]] const uint16_t* k_src = fp8_as_bf16 ? kb16 : static_cast<const uint16_t*>(kv.k);
+  [[maybe_unused]] const uint16_t* v_src = fp8_as_bf16 ? vb16 : static_cast<const uint16_t*>(kv.v);
   if (rope)
     for (int32_t i = 0; i < vp.rope.rotary_dim / 2; ++i) freqs[i] = rope_frequency(vp.rope, i);
   const int32_t pos_offset = rope && vp.rope.pos_offset ? vp.rope.pos_offset[b] : 0;
