@@ -285,6 +285,23 @@ inline void bf16x16_even_odd(const uint16_t* p, __m256& even, __m256& odd) {
   odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))));
 }
 
+// The row formats the kernels below read, each widening 16 elements to fp32 in that even/odd order: bf16 (the
+// cache's, or fp8 widened in scratch), and fp8 read directly, where a 16-byte load widened by vpmovzxwd holds a code
+// pair in each 32-bit lane (fp8_lanes_to_float masks the even code out of the low byte; the odd one is shifted down).
+struct Bf16Rows {
+  using T = uint16_t;
+  static void widen(const uint16_t* p, __m256& even, __m256& odd) { bf16x16_even_odd(p, even, odd); }
+};
+template <bool kE4M3>
+struct Fp8Rows {
+  using T = uint8_t;
+  static void widen(const uint8_t* p, __m256& even, __m256& odd) {
+    const U32x8 x = (U32x8)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    even = (__m256)fp8_lanes_to_float<kE4M3, F8x>(x);
+    odd = (__m256)fp8_lanes_to_float<kE4M3, F8x>(x >> 8);
+  }
+};
+
 // The sums of four vectors: [sum a0, sum a1, sum a2, sum a3].
 inline __m128 hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -295,9 +312,9 @@ inline __m128 hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // of 4) of bf16 K rows: each K load and widening serves all R rows (a GQA group). T tokens per pass and S
 // accumulators per product keep 6-8 independent FMA chains (latency 4 x 2 FMA ports) within the 16 registers.
 // Tokens past the block's end read row n - 1 again (the caller discards their scores).
-template <int R>
-void score_rows_bf16(const float* q, int64_t q_stride, const uint16_t* k, const int64_t* k_rows, int32_t n,
-                     int32_t d, float* __restrict out, int32_t out_stride) {
+template <int R, class Rows>
+void score_rows_raw(const float* q, int64_t q_stride, const typename Rows::T* k, const int64_t* k_rows, int32_t n,
+                    int32_t d, float* __restrict out, int32_t out_stride) {
   constexpr int T = R <= 2 ? 4 : 2;
   constexpr int S = R == 1 ? 2 : 1;  // one row: even and odd dims in separate chains
   for (int32_t t = 0; t < n; t += T) {
@@ -312,7 +329,7 @@ void score_rows_bf16(const float* q, int64_t q_stride, const uint16_t* k, const 
       #pragma GCC unroll 8
       for (int j = 0; j < T; ++j) {
         __m256 ke, ko;
-        bf16x16_even_odd(k + k_rows[t + j] + c, ke, ko);
+        Rows::widen(k + k_rows[t + j] + c, ke, ko);
         #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const float* qr = q + r * q_stride + c;
@@ -344,8 +361,8 @@ void score_rows_bf16(const float* q, int64_t q_stride, const uint16_t* k, const 
 // acc_r += P_r V over tokens [0, n) for R rows (fp32 probabilities at p + r * kKVBlock, accumulators in even/odd
 // order at acc + r * acc_stride) from raw bf16 V rows: each V load and widening serves all R rows, CH 16-dim
 // chunks per pass for 2 R CH >= 6 independent FMA chains.
-template <int R, int CH>
-inline void accumulate_pv_chunks(float* acc, int32_t acc_stride, const float* p, const uint16_t* v,
+template <int R, int CH, class Rows>
+inline void accumulate_pv_chunks(float* acc, int32_t acc_stride, const float* p, const typename Rows::T* v,
                                  const int64_t* v_rows, int32_t n) {
   __m256 e[R][CH], o[R][CH];
   #pragma GCC unroll 8
@@ -362,7 +379,7 @@ inline void accumulate_pv_chunks(float* acc, int32_t acc_stride, const float* p,
     #pragma GCC unroll 8
     for (int ch = 0; ch < CH; ++ch) {
       __m256 ve, vo;
-      bf16x16_even_odd(v + v_rows[t] + 16 * ch, ve, vo);
+      Rows::widen(v + v_rows[t] + 16 * ch, ve, vo);
       #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         e[r][ch] = _mm256_fmadd_ps(pt[r], ve, e[r][ch]);
@@ -379,13 +396,24 @@ inline void accumulate_pv_chunks(float* acc, int32_t acc_stride, const float* p,
     }
 }
 
-template <int R>
-void accumulate_pv_rows_bf16(float* acc, int32_t acc_stride, const float* p, const uint16_t* v,
-                             const int64_t* v_rows, int32_t n, int32_t d) {
+template <int R, class Rows>
+void accumulate_pv_rows_raw(float* acc, int32_t acc_stride, const float* p, const typename Rows::T* v,
+                            const int64_t* v_rows, int32_t n, int32_t d) {
   constexpr int CH = R == 1 ? 4 : R == 2 ? 2 : 1;
   int32_t c = 0;
-  for (; c + 16 * CH <= d; c += 16 * CH) accumulate_pv_chunks<R, CH>(acc + c, acc_stride, p, v + c, v_rows, n);
-  for (; c < d; c += 16) accumulate_pv_chunks<R, 1>(acc + c, acc_stride, p, v + c, v_rows, n);
+  for (; c + 16 * CH <= d; c += 16 * CH) accumulate_pv_chunks<R, CH, Rows>(acc + c, acc_stride, p, v + c, v_rows, n);
+  for (; c < d; c += 16) accumulate_pv_chunks<R, 1, Rows>(acc + c, acc_stride, p, v + c, v_rows, n);
+}
+
+// Calls f.template operator()<Rows>() with the format of the raw rows: fp8 read directly, or bf16.
+template <class F>
+void with_raw_rows(DType type, bool fp8_direct, F&& f) {
+  if (fp8_direct && type == DType::kFloat8E4M3)
+    f.template operator()<Fp8Rows<true>>();
+  else if (fp8_direct)
+    f.template operator()<Fp8Rows<false>>();
+  else
+    f.template operator()<Bf16Rows>();
 }
 
 // A Q row (d a multiple of 16) to the even/odd order of the widened K pairs, in place.
@@ -402,7 +430,7 @@ void unpermute_row(const float* permuted, float* out, int32_t d) {
   for (int32_t c = 0; c < d; c += 16)
     for (int32_t j = 0; j < 8; ++j) out[c + 2 * j] = permuted[c + j], out[c + 2 * j + 1] = permuted[c + 8 + j];
 }
-constexpr bool kRawQ = false;  // score_rows_bf16 reads fp32 Q rows, already scaled
+constexpr bool kRawQ = false;  // score_rows_raw reads fp32 Q rows, already scaled
 #else
 constexpr bool kRawQ = false;  // no raw paths
 #endif
@@ -455,9 +483,13 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   // The same paths in fp32 FMAs: Q is converted to fp32 (any type; scaled, in even/odd order) and the
   // probabilities stay fp32, so any number of rows per head takes them (prefill tiles too) and head dims need only
   // be multiples of 16. RoPE rotates K, so it keeps the converted K block; V is raw either way.
-  const bool fp8_as_bf16 = fp8 && !rope && dqk % 16 == 0 && dvo % 16 == 0;
-  const bool raw_bf16 = (kv.dtype == DType::kBFloat16 && !rope && dqk % 16 == 0) || fp8_as_bf16;
-  const bool raw_pv = (kv.dtype == DType::kBFloat16 && dvo % 16 == 0) || fp8_as_bf16;
+  // fp8 K/V: read by the kernels directly where a head has few rows (decode: one or two row groups decode each
+  // code), else widened to bf16 in scratch once per block and head (prefill tiles: shared by many row groups).
+  const bool fp8_raw = fp8 && !rope && dqk % 16 == 0 && dvo % 16 == 0;
+  const bool fp8_direct = fp8_raw && per_head <= kMaxRawPvRows;
+  const bool fp8_as_bf16 = fp8_raw && !fp8_direct;
+  const bool raw_bf16 = (kv.dtype == DType::kBFloat16 && !rope && dqk % 16 == 0) || fp8_raw;
+  const bool raw_pv = (kv.dtype == DType::kBFloat16 && dvo % 16 == 0) || fp8_raw;
 #else
   [[maybe_unused]] const bool raw_bf16 = false, raw_pv = false, fp8_as_bf16 = false;
 #endif
@@ -466,6 +498,10 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   uint16_t* vb16 = reinterpret_cast<uint16_t*>(vb);
   [[maybe_unused]] const uint16_t* k_src = fp8_as_bf16 ? kb16 : static_cast<const uint16_t*>(kv.k);
   [[maybe_unused]] const uint16_t* v_src = fp8_as_bf16 ? vb16 : static_cast<const uint16_t*>(kv.v);
+#if defined(ATTNFORGE_CPU_AVX2)
+  const void* k_raw = fp8_direct ? kv.k : k_src;
+  const void* v_raw = fp8_direct ? kv.v : v_src;
+#endif
   if (rope)
     for (int32_t i = 0; i < vp.rope.rotary_dim / 2; ++i) freqs[i] = rope_frequency(vp.rope, i);
   const int32_t pos_offset = rope && vp.rope.pos_offset ? vp.rope.pos_offset[b] : 0;
@@ -558,7 +594,10 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
             score_rows_bf16<R>(reinterpret_cast<const uint16_t*>(q + r * dqk16), 2 * dqk16, k_src, k_rows, 4, dqk,
                                s + r * kKVBlock + t, kKVBlock);
 #else
-            score_rows_bf16<R>(q + r * dqk16, dqk16, k_src, k_rows, 4, dqk, s + r * kKVBlock + t, kKVBlock);
+            with_raw_rows(kv.dtype, fp8_direct, [&]<class Rows>() {
+              score_rows_raw<R, Rows>(q + r * dqk16, dqk16, static_cast<const typename Rows::T*>(k_raw), k_rows, 4, dqk,
+                                      s + r * kKVBlock + t, kKVBlock);
+            });
 #endif
           });
         }
@@ -656,7 +695,10 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
         for (int32_t r = r_begin; r < r_end; ++r)
           if (!active[r]) std::fill(s + r * kKVBlock, s + (r + 1) * kKVBlock, 0.f);
         for_row_groups(r_begin, r_end, [&]<int R>(int32_t r) {
-          accumulate_pv_rows_bf16<R>(acc + r * dvo16, dvo16, s + r * kKVBlock, v_src, v_rows, n, dvo);
+          with_raw_rows(kv.dtype, fp8_direct, [&]<class Rows>() {
+            accumulate_pv_rows_raw<R, Rows>(acc + r * dvo16, dvo16, s + r * kKVBlock,
+                                            static_cast<const typename Rows::T*>(v_raw), v_rows, n, dvo);
+          });
         });
 #endif
         continue;
