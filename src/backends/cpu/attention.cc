@@ -302,12 +302,6 @@ struct Fp8Rows {
   }
 };
 
-// The sums of four vectors: [sum a0, sum a1, sum a2, sum a3].
-inline __m128 hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
 // Scores of R query rows (fp32, scaled, even/odd order, at q + r * q_stride) against tokens [0, n) (n a multiple
 // of 4) of bf16 K rows: each K load and widening serves all R rows (a GQA group). T tokens per pass and S
 // accumulators per product keep 6-8 independent FMA chains (latency 4 x 2 FMA ports) within the 16 registers.
@@ -319,18 +313,18 @@ void score_rows_raw(const float* q, int64_t q_stride, const typename Rows::T* k,
   constexpr int S = R == 1 ? 2 : 1;  // one row: even and odd dims in separate chains
   for (int32_t t = 0; t < n; t += T) {
     __m256 a[R][T][S];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int j = 0; j < T; ++j)
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int s = 0; s < S; ++s) a[r][j][s] = _mm256_setzero_ps();
     for (int32_t c = 0; c < d; c += 16)
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int j = 0; j < T; ++j) {
         __m256 ke, ko;
         Rows::widen(k + k_rows[t + j] + c, ke, ko);
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const float* qr = q + r * q_stride + c;
           a[r][j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qr), ke, a[r][j][0]);
@@ -338,21 +332,22 @@ void score_rows_raw(const float* q, int64_t q_stride, const typename Rows::T* k,
         }
       }
     if constexpr (S == 2)
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int j = 0; j < T; ++j) a[r][j][0] = _mm256_add_ps(a[r][j][0], a[r][j][1]);
     if constexpr (T == 4) {
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
-        _mm_storeu_ps(out + r * out_stride + t, hsum8x4(a[r][0][0], a[r][1][0], a[r][2][0], a[r][3][0]));
+        hsum8x4((F8x)a[r][0][0], (F8x)a[r][1][0], (F8x)a[r][2][0], (F8x)a[r][3][0], out + r * out_stride + t);
     } else {  // two rows per reduction: [row r tokens t, t + 1; row r + 1 tokens t, t + 1]
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int r = 0; r < R; r += 2) {
         const int r1 = r + 1 < R ? r + 1 : r;
-        const __m128 sums = hsum8x4(a[r][0][0], a[r][1][0], a[r1][0][0], a[r1][1][0]);
-        _mm_storel_pi(reinterpret_cast<__m64*>(out + r * out_stride + t), sums);
-        if (r1 != r) _mm_storeh_pi(reinterpret_cast<__m64*>(out + r1 * out_stride + t), sums);
+        float sums[4];
+        hsum8x4((F8x)a[r][0][0], (F8x)a[r][1][0], (F8x)a[r1][0][0], (F8x)a[r1][1][0], sums);
+        out[r * out_stride + t] = sums[0], out[r * out_stride + t + 1] = sums[1];
+        out[r1 * out_stride + t] = sums[2], out[r1 * out_stride + t + 1] = sums[3];
       }
     }
   }
@@ -365,31 +360,31 @@ template <int R, int CH, class Rows>
 inline void accumulate_pv_chunks(float* acc, int32_t acc_stride, const float* p, const typename Rows::T* v,
                                  const int64_t* v_rows, int32_t n) {
   __m256 e[R][CH], o[R][CH];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int ch = 0; ch < CH; ++ch) {
       e[r][ch] = _mm256_loadu_ps(acc + r * acc_stride + 16 * ch);
       o[r][ch] = _mm256_loadu_ps(acc + r * acc_stride + 16 * ch + 8);
     }
   for (int32_t t = 0; t < n; ++t) {
     __m256 pt[R];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) pt[r] = _mm256_broadcast_ss(p + r * kKVBlock + t);
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int ch = 0; ch < CH; ++ch) {
       __m256 ve, vo;
       Rows::widen(v + v_rows[t] + 16 * ch, ve, vo);
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         e[r][ch] = _mm256_fmadd_ps(pt[r], ve, e[r][ch]);
         o[r][ch] = _mm256_fmadd_ps(pt[r], vo, o[r][ch]);
       }
     }
   }
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int ch = 0; ch < CH; ++ch) {
       _mm256_storeu_ps(acc + r * acc_stride + 16 * ch, e[r][ch]);
       _mm256_storeu_ps(acc + r * acc_stride + 16 * ch + 8, o[r][ch]);
