@@ -102,6 +102,52 @@ TEST(Fp8Cases, ToleranceRejectsWronglyDecodedKV) {
   }
 }
 
+// The raw K/V paths of the CPU backend (attention.cc: AVX-512 BF16 or AVX2 + FMA, by build target) take a KV head's
+// rows in groups of up to four and the head dims in chunks of 16 or 32, in passes of several chunks: every group
+// size (rows per head 1 to 8 in decode; prefill rows per head that leave a short last group), head dims 64, 128
+// and 256, V dims that end in a short pass, and the Q and K/V types they accept.
+TEST(RawKVPaths, EveryRowGroupAndHeadDim) {
+  auto spec = [](PlanKind kind, std::vector<int32_t> qo, std::vector<int32_t> kv, int32_t group, int32_t dqk,
+                 int32_t dvo) {
+    CaseSpec s;
+    s.kind = kind;
+    s.qo_lens = std::move(qo), s.kv_lens = std::move(kv);
+    s.num_kv_heads = 2, s.num_qo_heads = 2 * group;
+    s.head_dim_qk = dqk, s.head_dim_vo = dvo;
+    return s;
+  };
+  std::vector<CaseSpec> specs;
+  for (int32_t group : {1, 2, 3, 5, 6, 7, 8})
+    for (int32_t d : {64, 128, 256}) specs.push_back(spec(PlanKind::kDecode, {1, 1, 1}, {31, 100, 257}, group, d, 0));
+  for (int32_t group : {1, 2, 3})
+    for (int32_t dvo : {16, 48, 80, 112}) {
+      specs.push_back(spec(PlanKind::kDecode, {1, 1}, {70, 33}, group, 64, dvo));
+      specs.push_back(spec(PlanKind::kPrefill, {37, 5}, {97, 40}, group, 128, dvo));
+    }
+  for (int32_t group : {1, 2, 3, 4}) {  // rows past one 128-row task
+    CaseSpec s = spec(PlanKind::kPrefill, {37, 130}, {97, 300}, group, 128, 0);
+    s.options.causal = true;
+    specs.push_back(s);
+  }
+  for (DType kv : {DType::kFloat8E4M3, DType::kFloat8E5M2})
+    for (DType q : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      CaseSpec s = spec(PlanKind::kPrefill, {7, 33}, {90, 33}, 3, 128, 0);
+      s.kv_dtype = kv, s.q_dtype = q, s.k_scale = 0.5f, s.v_scale = 0.25f;
+      s.options.causal = true;
+      specs.push_back(s);
+    }
+  for (DType q : {DType::kFloat16, DType::kFloat32}) {
+    CaseSpec s = spec(PlanKind::kDecode, {1, 2}, {65, 300}, 4, 128, 0);
+    s.q_dtype = s.o_dtype = q;
+    specs.push_back(s);
+  }
+  uint64_t seed = 7000;
+  for (CaseSpec& s : specs) {
+    s.seed = seed++;
+    check_spec(s);
+  }
+}
+
 uint64_t env_or(const char* name, uint64_t fallback) {
   const char* s = std::getenv(name);
   return s ? std::strtoull(s, nullptr, 10) : fallback;

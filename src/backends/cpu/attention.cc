@@ -15,6 +15,13 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATTNFORGE_CPU_AVX2 1
+#endif
+// The raw bf16 K/V paths (scores and P V straight from the cache's bf16 rows), in AVX-512 BF16 or AVX2 + FMA.
+#if defined(__AVX512BF16__) || defined(ATTNFORGE_CPU_AVX2)
+#define ATTNFORGE_CPU_RAW_KV 1
 #endif
 #include "backends/cpu/thread_pool.h"
 
@@ -61,23 +68,23 @@ inline void load_kv_row(const void* base, DType type, int64_t offset, int32_t n,
 }
 
 // Rows live in scratch at strides padded to 16 floats, with zero tails, so every inner loop runs on whole
-// 16-lane vectors (a zero tail adds nothing to a dot product or an accumulation).
+// vectors (a zero tail adds nothing to a dot product or an accumulation).
 inline int32_t padded(int32_t d) { return (d + kLanes - 1) / kLanes * kLanes; }
 
 // Scores of one query row against tokens [0, n) of the converted K block: four tokens at a time share each
 // load of the query, and each dot product ends in one shuffle-tree sum.
 void score_row(const float* __restrict qr, const float* __restrict kb, int32_t n, int32_t d16, float* __restrict out) {
   for (int32_t t = 0; t < n; t += 4) {
-    F16x a0{}, a1{}, a2{}, a3{};
+    FVec a0{}, a1{}, a2{}, a3{};
     const float* k0 = kb + t * d16;
-    for (int32_t c = 0; c < d16; c += kLanes) {
-      const F16x qv = load16(qr + c);
-      a0 += qv * load16(k0 + c);
-      a1 += qv * load16(k0 + d16 + c);
-      a2 += qv * load16(k0 + 2 * d16 + c);
-      a3 += qv * load16(k0 + 3 * d16 + c);
+    for (int32_t c = 0; c < d16; c += kVecLanes) {
+      const FVec qv = load_vec(qr + c);
+      a0 += qv * load_vec(k0 + c);
+      a1 += qv * load_vec(k0 + d16 + c);
+      a2 += qv * load_vec(k0 + 2 * d16 + c);
+      a3 += qv * load_vec(k0 + 3 * d16 + c);
     }
-    hsum16x4(a0, a1, a2, a3, out + t);
+    hsum_vec_x4(a0, a1, a2, a3, out + t);
   }
 }
 
@@ -85,27 +92,27 @@ void score_row(const float* __restrict qr, const float* __restrict kb, int32_t n
 // the query heads of its group). Decode tasks take every KV head at once: a token's K/V rows of all heads are
 // adjacent in an NHD page, so the task streams through whole pages instead of reading one 256-byte row every
 // few kilobytes.
-// acc[0, d16) += sum over t < n of p[t] * v[t][0, d16), NC 16-lane chunks at a time: the accumulators stay in
+// acc[0, d16) += sum over t < n of p[t] * v[t][0, d16), NC vectors at a time: the accumulators stay in
 // registers across the tokens (independent FMA chains) and each probability is broadcast once per group.
 template <int NC>
 inline void accumulate_pv_group(float* __restrict acc, const float* __restrict p, const float* __restrict v, int32_t n,
                                 int32_t d16) {
-  F16x a[NC];
-  for (int i = 0; i < NC; ++i) a[i] = load16(acc + i * kLanes);
+  FVec a[NC];
+  for (int i = 0; i < NC; ++i) a[i] = load_vec(acc + i * kVecLanes);
   for (int32_t t = 0; t < n; ++t) {
-    const F16x pt = splat16(p[t]);
+    const FVec pt = splat_vec(p[t]);
     const float* vt = v + t * d16;
-    for (int i = 0; i < NC; ++i) a[i] += pt * load16(vt + i * kLanes);
+    for (int i = 0; i < NC; ++i) a[i] += pt * load_vec(vt + i * kVecLanes);
   }
-  for (int i = 0; i < NC; ++i) store16(acc + i * kLanes, a[i]);
+  for (int i = 0; i < NC; ++i) store_vec(acc + i * kVecLanes, a[i]);
 }
 
 inline void accumulate_pv(float* acc, const float* p, const float* v, int32_t n, int32_t d16) {
   int32_t c = 0;
-  for (; c + 8 * kLanes <= d16; c += 8 * kLanes) accumulate_pv_group<8>(acc + c, p, v + c, n, d16);
-  if (c + 4 * kLanes <= d16) accumulate_pv_group<4>(acc + c, p, v + c, n, d16), c += 4 * kLanes;
-  if (c + 2 * kLanes <= d16) accumulate_pv_group<2>(acc + c, p, v + c, n, d16), c += 2 * kLanes;
-  if (c + kLanes <= d16) accumulate_pv_group<1>(acc + c, p, v + c, n, d16);
+  for (; c + 8 * kVecLanes <= d16; c += 8 * kVecLanes) accumulate_pv_group<8>(acc + c, p, v + c, n, d16);
+  if (c + 4 * kVecLanes <= d16) accumulate_pv_group<4>(acc + c, p, v + c, n, d16), c += 4 * kVecLanes;
+  if (c + 2 * kVecLanes <= d16) accumulate_pv_group<2>(acc + c, p, v + c, n, d16), c += 2 * kVecLanes;
+  if (c + kVecLanes <= d16) accumulate_pv_group<1>(acc + c, p, v + c, n, d16);
 }
 
 #if defined(__AVX512BF16__)
@@ -145,8 +152,24 @@ inline void fp8x32_to_bf16(const uint8_t* src, uint16_t* dst) {
   _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(lo, odd, hi));
 }
 #pragma GCC diagnostic pop
+#elif defined(ATTNFORGE_CPU_AVX2)
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+
+// 16 fp8 codes to bf16 (the high halves of the fp32 bits: exact, fp8 values are bf16 values), 8 at a time, the
+// bytes widened by one vpmovzxbd (GCC 12 builds the 16-byte vector-extension widening from byte inserts).
+template <bool kE4M3>
+inline void fp8x16_to_bf16(const uint8_t* src, uint16_t* dst) {
+  auto bits = [](const uint8_t* p) {
+    const U32x8 x = (U32x8)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_srli_epi32((__m256i)fp8_lanes_to_float<kE4M3, F8x>(x), 16);
+  };
+  // packus works within 128-bit lanes ([0-3 of src, 0-3 of src + 8 | 4-7, 4-7]); the qword permute restores order.
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permute4x64_epi64(_mm256_packus_epi32(bits(src), bits(src + 8)), 0xd8));
+}
 #endif
 
+#if defined(ATTNFORGE_CPU_RAW_KV)
 // n fp8 codes (e4m3 or e5m2) to bf16, exactly: the fp32 value's top half (n a multiple of 16).
 __attribute__((noinline)) void fp8_row_to_bf16(const uint8_t* src, DType type, int32_t n, uint16_t* dst) {
 #if defined(__AVX512BF16__)
@@ -155,6 +178,10 @@ __attribute__((noinline)) void fp8_row_to_bf16(const uint8_t* src, DType type, i
       type == DType::kFloat8E4M3 ? fp8x32_to_bf16<true>(src + i, dst + i) : fp8x32_to_bf16<false>(src + i, dst + i);
     return;
   }
+#elif defined(ATTNFORGE_CPU_AVX2)
+  for (int32_t i = 0; i < n; i += 16)
+    type == DType::kFloat8E4M3 ? fp8x16_to_bf16<true>(src + i, dst + i) : fp8x16_to_bf16<false>(src + i, dst + i);
+  return;
 #endif
   for (int32_t i = 0; i < n; i += kLanes) {
     const F16x f = type == DType::kFloat8E4M3 ? fp8x16_to_float<true>(src + i) : fp8x16_to_float<false>(src + i);
@@ -162,6 +189,21 @@ __attribute__((noinline)) void fp8_row_to_bf16(const uint8_t* src, DType type, i
     std::memcpy(&bits, &f, sizeof(bits));
     const U16x16 h = __builtin_convertvector(bits >> 16, U16x16);
     std::memcpy(dst + i, &h, sizeof(h));
+  }
+}
+#endif
+
+// Calls f.template operator()<R>(first row) over rows [begin, end) in groups of R <= 4 rows (registers: 16 score
+// accumulators, or 8 P V chains).
+template <class F>
+void for_row_groups(int32_t begin, int32_t end, F&& f) {
+  for (int32_t r = begin; r < end; r += 4) {
+    switch (std::min(4, end - r)) {
+      case 4: f.template operator()<4>(r); break;
+      case 3: f.template operator()<3>(r); break;
+      case 2: f.template operator()<2>(r); break;
+      default: f.template operator()<1>(r); break;
+    }
   }
 }
 
@@ -222,20 +264,6 @@ void accumulate_pv_rows_bf16(float* acc, int32_t acc_stride, const uint32_t* p_p
   }
 }
 
-// Calls f.template operator()<R>(first row) over rows [begin, end) in groups of R <= 4 rows (registers: 16 score
-// accumulators, or 8 P V chains).
-template <class F>
-void for_row_groups(int32_t begin, int32_t end, F&& f) {
-  for (int32_t r = begin; r < end; r += 4) {
-    switch (std::min(4, end - r)) {
-      case 4: f.template operator()<4>(r); break;
-      case 3: f.template operator()<3>(r); break;
-      case 2: f.template operator()<2>(r); break;
-      default: f.template operator()<1>(r); break;
-    }
-  }
-}
-
 // Back to natural order: within a 32-dim chunk, lane j of the low half holds dim 8 (j / 4) + j % 4 and lane j
 // of the high half dim 8 (j / 4) + 4 + j % 4 (unpack works inside 128-bit lanes).
 void unpermute_row(const float* permuted, float* out, int32_t d) {
@@ -245,6 +273,167 @@ void unpermute_row(const float* permuted, float* out, int32_t d) {
       out[c + 8 * (j / 4) + 4 + j % 4] = permuted[c + 16 + j];
     }
 }
+constexpr bool kRawQ = true;  // score_rows_bf16 reads the raw bf16 Q rows; the caller scales the scores
+#elif defined(ATTNFORGE_CPU_AVX2)
+// AVX2 + FMA: the same design in 8-lane fp32 FMAs. A 32-byte load holds 16 bf16 values as 8 pairs: shifting each
+// 32-bit lane left by 16 gives the even elements as fp32, clearing its low half the odd ones, two instructions per
+// 16 values and no shuffle. So the fp32 Q rows (even_odd_row) and the P V accumulators hold each 16-dim chunk as
+// its 8 even dims, then its 8 odd ones (unpermute_row restores the order).
+inline void bf16x16_even_odd(const uint16_t* p, __m256& even, __m256& odd) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+
+// The sums of four vectors: [sum a0, sum a1, sum a2, sum a3]. (simd.h's hsum8x4 in its place measured fp8 decode
+// 16x4096 at 51-53 ms instead of 37-39.)
+inline __m128 hadd8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// The row formats the kernels below read, each widening 16 elements to fp32 in that even/odd order: bf16 (the
+// cache's, or fp8 widened in scratch), and fp8 read directly, where a 16-byte load widened by vpmovzxwd holds a code
+// pair in each 32-bit lane (fp8_lanes_to_float masks the even code out of the low byte; the odd one is shifted down).
+struct Bf16Rows {
+  using T = uint16_t;
+  static void widen(const uint16_t* p, __m256& even, __m256& odd) { bf16x16_even_odd(p, even, odd); }
+};
+template <bool kE4M3>
+struct Fp8Rows {
+  using T = uint8_t;
+  static void widen(const uint8_t* p, __m256& even, __m256& odd) {
+    const U32x8 x = (U32x8)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    even = (__m256)fp8_lanes_to_float<kE4M3, F8x>(x);
+    odd = (__m256)fp8_lanes_to_float<kE4M3, F8x>(x >> 8);
+  }
+};
+
+// Scores of R query rows (fp32, scaled, even/odd order, at q + r * q_stride) against tokens [0, n) (n a multiple
+// of 4) of bf16 K rows: each K load and widening serves all R rows (a GQA group). T tokens per pass and S
+// accumulators per product keep 6-8 independent FMA chains (latency 4 x 2 FMA ports) within the 16 registers.
+// Tokens past the block's end read row n - 1 again (the caller discards their scores).
+template <int R, class Rows>
+void score_rows_raw(const float* q, int64_t q_stride, const typename Rows::T* k, const int64_t* k_rows, int32_t n,
+                    int32_t d, float* __restrict out, int32_t out_stride) {
+  constexpr int T = R <= 2 ? 4 : 2;
+  constexpr int S = R == 1 ? 2 : 1;  // one row: even and odd dims in separate chains
+  for (int32_t t = 0; t < n; t += T) {
+    __m256 a[R][T][S];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < T; ++j)
+#pragma GCC unroll 8
+        for (int s = 0; s < S; ++s) a[r][j][s] = _mm256_setzero_ps();
+    for (int32_t c = 0; c < d; c += 16)
+#pragma GCC unroll 8
+      for (int j = 0; j < T; ++j) {
+        __m256 ke, ko;
+        Rows::widen(k + k_rows[t + j] + c, ke, ko);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const float* qr = q + r * q_stride + c;
+          a[r][j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qr), ke, a[r][j][0]);
+          a[r][j][S - 1] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8), ko, a[r][j][S - 1]);
+        }
+      }
+    if constexpr (S == 2)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int j = 0; j < T; ++j) a[r][j][0] = _mm256_add_ps(a[r][j][0], a[r][j][1]);
+    if constexpr (T == 4) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        _mm_storeu_ps(out + r * out_stride + t, hadd8x4(a[r][0][0], a[r][1][0], a[r][2][0], a[r][3][0]));
+    } else {  // two rows per reduction: [row r tokens t, t + 1; row r + 1 tokens t, t + 1]
+#pragma GCC unroll 8
+      for (int r = 0; r < R; r += 2) {
+        const int r1 = r + 1 < R ? r + 1 : r;
+        const __m128 sums = hadd8x4(a[r][0][0], a[r][1][0], a[r1][0][0], a[r1][1][0]);
+        _mm_storel_pi(reinterpret_cast<__m64*>(out + r * out_stride + t), sums);
+        if (r1 != r) _mm_storeh_pi(reinterpret_cast<__m64*>(out + r1 * out_stride + t), sums);
+      }
+    }
+  }
+}
+
+// acc_r += P_r V over tokens [0, n) for R rows (fp32 probabilities at p + r * kKVBlock, accumulators in even/odd
+// order at acc + r * acc_stride) from raw bf16 V rows: each V load and widening serves all R rows, CH 16-dim
+// chunks per pass for 2 R CH >= 6 independent FMA chains.
+template <int R, int CH, class Rows>
+inline void accumulate_pv_chunks(float* acc, int32_t acc_stride, const float* p, const typename Rows::T* v,
+                                 const int64_t* v_rows, int32_t n) {
+  __m256 e[R][CH], o[R][CH];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int ch = 0; ch < CH; ++ch) {
+      e[r][ch] = _mm256_loadu_ps(acc + r * acc_stride + 16 * ch);
+      o[r][ch] = _mm256_loadu_ps(acc + r * acc_stride + 16 * ch + 8);
+    }
+  for (int32_t t = 0; t < n; ++t) {
+    __m256 pt[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) pt[r] = _mm256_broadcast_ss(p + r * kKVBlock + t);
+#pragma GCC unroll 8
+    for (int ch = 0; ch < CH; ++ch) {
+      __m256 ve, vo;
+      Rows::widen(v + v_rows[t] + 16 * ch, ve, vo);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        e[r][ch] = _mm256_fmadd_ps(pt[r], ve, e[r][ch]);
+        o[r][ch] = _mm256_fmadd_ps(pt[r], vo, o[r][ch]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int ch = 0; ch < CH; ++ch) {
+      _mm256_storeu_ps(acc + r * acc_stride + 16 * ch, e[r][ch]);
+      _mm256_storeu_ps(acc + r * acc_stride + 16 * ch + 8, o[r][ch]);
+    }
+}
+
+template <int R, class Rows>
+void accumulate_pv_rows_raw(float* acc, int32_t acc_stride, const float* p, const typename Rows::T* v,
+                            const int64_t* v_rows, int32_t n, int32_t d) {
+  constexpr int CH = R == 1 ? 4 : R == 2 ? 2 : 1;
+  int32_t c = 0;
+  for (; c + 16 * CH <= d; c += 16 * CH) accumulate_pv_chunks<R, CH, Rows>(acc + c, acc_stride, p, v + c, v_rows, n);
+  for (; c < d; c += 16) accumulate_pv_chunks<R, 1, Rows>(acc + c, acc_stride, p, v + c, v_rows, n);
+}
+
+// Calls f.template operator()<Rows>() with the format of the raw rows: fp8 read directly, or bf16.
+template <class F>
+void with_raw_rows(DType type, bool fp8_direct, F&& f) {
+  if (fp8_direct && type == DType::kFloat8E4M3)
+    f.template operator()<Fp8Rows<true>>();
+  else if (fp8_direct)
+    f.template operator()<Fp8Rows<false>>();
+  else
+    f.template operator()<Bf16Rows>();
+}
+
+// A Q row (d a multiple of 16) to the even/odd order of the widened K pairs, in place.
+void even_odd_row(float* row, int32_t d) {
+  for (int32_t c = 0; c < d; c += 16) {
+    float chunk[16];
+    std::memcpy(chunk, row + c, sizeof(chunk));
+    for (int32_t j = 0; j < 8; ++j) row[c + j] = chunk[2 * j], row[c + 8 + j] = chunk[2 * j + 1];
+  }
+}
+
+// Back to natural order (see bf16x16_even_odd).
+void unpermute_row(const float* permuted, float* out, int32_t d) {
+  for (int32_t c = 0; c < d; c += 16)
+    for (int32_t j = 0; j < 8; ++j) out[c + 2 * j] = permuted[c + j], out[c + 2 * j + 1] = permuted[c + 8 + j];
+}
+constexpr bool kRawQ = false;  // score_rows_raw reads fp32 Q rows, already scaled
+#else
+constexpr bool kRawQ = false;  // no raw paths
 #endif
 
 void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t head1, int32_t row0,
@@ -275,7 +464,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   }
 
   const bool rope = vp.rope.enabled != 0;
-  const bool fp8 = kv.dtype == DType::kFloat8E4M3 || kv.dtype == DType::kFloat8E5M2;
+  [[maybe_unused]] const bool fp8 = kv.dtype == DType::kFloat8E4M3 || kv.dtype == DType::kFloat8E5M2;
 #if defined(__AVX512BF16__)
   // bf16 Q and K without RoPE: dot products on the raw bf16 values (see score_rows_bf16).
   // bf16 Q and V: P V on the raw values too, with probabilities rounded to bf16, the input precision (as
@@ -291,14 +480,29 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
   const bool raw_pv =
       (kv.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 && dvo % 32 == 0 && per_head <= kMaxRawPvRows) ||
       fp8_as_bf16;
+#elif defined(ATTNFORGE_CPU_AVX2)
+  // The same paths in fp32 FMAs: Q is converted to fp32 (any type; scaled, in even/odd order) and the
+  // probabilities stay fp32, so any number of rows per head takes them (prefill tiles too) and head dims need only
+  // be multiples of 16. RoPE rotates K, so it keeps the converted K block; V is raw either way.
+  // fp8 K/V: read by the kernels directly where a head has few rows (decode: one or two row groups decode each
+  // code), else widened to bf16 in scratch once per block and head (prefill tiles: shared by many row groups).
+  const bool fp8_raw = fp8 && !rope && dqk % 16 == 0 && dvo % 16 == 0;
+  const bool fp8_direct = fp8_raw && per_head <= kMaxRawPvRows;
+  const bool fp8_as_bf16 = fp8_raw && !fp8_direct;
+  const bool raw_bf16 = (kv.dtype == DType::kBFloat16 && !rope && dqk % 16 == 0) || fp8_raw;
+  const bool raw_pv = (kv.dtype == DType::kBFloat16 && dvo % 16 == 0) || fp8_raw;
 #else
-  const bool raw_bf16 = false, raw_pv = false, fp8_as_bf16 = false;
+  [[maybe_unused]] const bool raw_bf16 = false, raw_pv = false, fp8_as_bf16 = false;
 #endif
   // Sources of the raw paths: the cache itself, or the block's rows converted from fp8 (in the K and V block buffers).
   uint16_t* kb16 = reinterpret_cast<uint16_t*>(kb);
   uint16_t* vb16 = reinterpret_cast<uint16_t*>(vb);
-  const uint16_t* k_src = fp8_as_bf16 ? kb16 : static_cast<const uint16_t*>(kv.k);
-  const uint16_t* v_src = fp8_as_bf16 ? vb16 : static_cast<const uint16_t*>(kv.v);
+  [[maybe_unused]] const uint16_t* k_src = fp8_as_bf16 ? kb16 : static_cast<const uint16_t*>(kv.k);
+  [[maybe_unused]] const uint16_t* v_src = fp8_as_bf16 ? vb16 : static_cast<const uint16_t*>(kv.v);
+#if defined(ATTNFORGE_CPU_AVX2)
+  const void* k_raw = fp8_direct ? kv.k : k_src;
+  const void* v_raw = fp8_direct ? kv.v : v_src;
+#endif
   if (rope)
     for (int32_t i = 0; i < vp.rope.rotary_dim / 2; ++i) freqs[i] = rope_frequency(vp.rope, i);
   const int32_t pos_offset = rope && vp.rope.pos_offset ? vp.rope.pos_offset[b] : 0;
@@ -312,7 +516,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
     qpos[r] = query_position(tok[r], qo_len, kv_len);
     float* qr = q + r * dqk16;
     const int64_t q_offset = (qo_start + tok[r]) * p.q_stride_token + head[r] * p.q_stride_head;
-    if (raw_bf16) {
+    if (raw_bf16 && kRawQ) {
       // The row's raw bf16 values, in the scratch row (scores are scaled by q_scale afterwards).
       std::memcpy(qr, static_cast<const uint16_t*>(p.q) + q_offset, dqk * sizeof(uint16_t));
     } else {
@@ -320,6 +524,9 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
       if (rope) rope_rotate(vp.rope, freqs, qr, qpos[r] + pos_offset);
       scale_row(qr, q_scale, dqk);
       std::fill(qr + dqk, qr + dqk16, 0.f);
+#if defined(ATTNFORGE_CPU_AVX2)
+      if (raw_bf16) even_odd_row(qr, dqk);
+#endif
     }
     allowed_kv_range(vp, qpos[r], kv_len, &lo[r], &hi[r]);
     lo[r] = std::max(lo[r], it.kv_begin);
@@ -361,7 +568,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
       const char* row = static_cast<const char*>(base) + element * elem_bytes;
       for (int32_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 1);
     };
-#if defined(__AVX512BF16__)
+#if defined(ATTNFORGE_CPU_RAW_KV)
     // Raw bf16 K (v11): the scores of every head are computed first, token-major (four tokens, then every head's
     // rows against them), so K is read in address order through each page (a token's rows of all heads are
     // adjacent in NHD), and the next block's K rows are requested four tokens at a time between the dot products
@@ -384,8 +591,15 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
             }
           }
           for_row_groups(r_begin, r_end, [&]<int R>(int32_t r) {
+#if defined(__AVX512BF16__)
             score_rows_bf16<R>(reinterpret_cast<const uint16_t*>(q + r * dqk16), 2 * dqk16, k_src, k_rows, 4, dqk,
                                s + r * kKVBlock + t, kKVBlock);
+#else
+            with_raw_rows(kv.dtype, fp8_direct, [&]<class Rows>() {
+              score_rows_raw<R, Rows>(q + r * dqk16, dqk16, static_cast<const typename Rows::T*>(k_raw), k_rows, 4, dqk,
+                                      s + r * kKVBlock + t, kKVBlock);
+            });
+#endif
           });
         }
 #endif
@@ -409,10 +623,10 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
         const int32_t t_lo = std::max(lo[r] - j0, 0), t_hi = std::min(hi[r] - j0, n);
         active[r] = t_lo < t_hi;
         if (!active[r]) continue;
-        if (raw_bf16)
-          for (int32_t t = 0; t < kKVBlock; t += kLanes) store16(sr + t, load16(sr + t) * q_scale);
-        else
+        if (!raw_bf16)
           score_row(q + r * dqk16, kb, n4, dqk16, sr);
+        else if (kRawQ)
+          for (int32_t t = 0; t < kKVBlock; t += kLanes) store16(sr + t, load16(sr + t) * q_scale);
         if (t_lo == 0 && t_hi == kKVBlock && !transform && !vp.custom_mask) {
           // Whole block allowed and no per-logit work: the common case of decode.
         } else {
@@ -425,7 +639,9 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
             if (vp.custom_mask && !custom_mask_allows(vp, b, tok[r], j0 + t, kv_len)) sr[t] = kNegInf;
           }
         }
-        const float block_max = hmax16(max16(load16(sr), load16(sr + kLanes)));
+        FVec mx = load_vec(sr);
+        for (int32_t t = kVecLanes; t < kKVBlock; t += kVecLanes) mx = max_lanes(mx, load_vec(sr + t));
+        const float block_max = hmax_vec(mx);
         if (block_max == kNegInf) {
           active[r] = false;
           continue;
@@ -436,18 +652,18 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
           l[r] *= corr;
           scale_row(acc + r * dvo16, corr, dvo16);
         }
-        F16x sum{};
-        for (int32_t t = 0; t < kKVBlock; t += kLanes) {
-          const F16x e = exp16(load16(sr + t) - m_new);
-          store16(sr + t, e);
+        FVec sum{};
+        for (int32_t t = 0; t < kKVBlock; t += kVecLanes) {
+          const FVec e = exp_lanes<FVec, IVec>(load_vec(sr + t) - m_new);
+          store_vec(sr + t, e);
           sum += e;
         }
-        l[r] += hsum16(sum);
+        l[r] += hsum_vec(sum);
         m[r] = m_new;
         any = true;
       }
       if (!any) continue;
-#if defined(__AVX512BF16__)
+#if defined(ATTNFORGE_CPU_RAW_KV)
       if (raw_pv) {
         int64_t v_rows[kKVBlock];
         for (int32_t t = 0; t < n; ++t) {
@@ -456,6 +672,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
                             vb16 + t * dvo);
           v_rows[t] = fp8_as_bf16 ? t * dvo : v_base[t] + kh * kv.v_stride_head;
         }
+#if defined(__AVX512BF16__)
         // Each row's 32 probabilities (zeros past n: masked scores) to bf16 pairs in one instruction, rounded to
         // nearest even as float_to_bf16 does; rows that see no key of the block weigh 0. Then P V for the head's
         // rows together, each V load and interleave shared by them.
@@ -473,6 +690,18 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
           accumulate_pv_rows_bf16<R>(acc + r * dvo16, dvo16, pairs + (r - r_begin) * (kKVBlock / 2), v_src, v_rows, n,
                                      dvo);
         });
+#else
+        // fp32 probabilities as they are (zeros past n: masked scores); rows that see no key of the block weigh 0
+        // (their score rows still hold logits or -inf).
+        for (int32_t r = r_begin; r < r_end; ++r)
+          if (!active[r]) std::fill(s + r * kKVBlock, s + (r + 1) * kKVBlock, 0.f);
+        for_row_groups(r_begin, r_end, [&]<int R>(int32_t r) {
+          with_raw_rows(kv.dtype, fp8_direct, [&]<class Rows>() {
+            accumulate_pv_rows_raw<R, Rows>(acc + r * dvo16, dvo16, s + r * kKVBlock,
+                                            static_cast<const typename Rows::T*>(v_raw), v_rows, n, dvo);
+          });
+        });
+#endif
         continue;
       }
 #endif
@@ -489,7 +718,7 @@ void attend(const AttentionParams& p, const WorkItem& it, int32_t head0, int32_t
 
   for (int32_t r = 0; r < rows; ++r) {
     float* ar = acc + r * dvo16;
-#if defined(__AVX512BF16__)
+#if defined(ATTNFORGE_CPU_RAW_KV)
     if (raw_pv) {
       unpermute_row(ar, kb, dvo);  // the K block buffer is free now
       ar = kb;
