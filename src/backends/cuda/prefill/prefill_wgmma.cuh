@@ -28,7 +28,7 @@ namespace attnforge::cuda {
 // printf: a call in the kernel made ptxas serialize the wgmma products. Production builds compile none of it.
 #if defined(ATTNFORGE_WGMMA_TRACE) && ATTNFORGE_WGMMA_TRACE
 #define ATTNFORGE_TRACE(...) __VA_ARGS__
-constexpr int kTraceCtas = 1024, kTraceFields = 15;
+constexpr int kTraceCtas = 1024, kTraceFields = 16;
 static __device__ long long wgmma_trace[kTraceCtas][3][kTraceFields];  // [slot][copier, computing 0, 1][field]
 // Adds one side's counters (the order run_prefill prints) to the slot of this CTA (persistent forms: its index;
 // the warp-specialized form's many CTAs share slots modulo kTraceCtas).
@@ -53,6 +53,7 @@ struct ConsumerTrace {
   long long qwait = 0, stage = 0;  // the wait for the copier's Q (kCopierQ); the staged store up to its first barrier
   long long lastpv = 0;             // kOverlapped: the item's last P V, issued after the loop and waited for
   long long ssync = 0, between = 0;  // the staged store's barrier; from an item's last lap to the next item's start
+  long long sfence = 0;              // the staged store's proxy fence (before boxes of O), apart from its writes
   __device__ __forceinline__ void lap(long long& phase) {
     const long long now = trace_clock();
     phase += now - t;
@@ -61,7 +62,7 @@ struct ConsumerTrace {
   __device__ __forceinline__ void report(int cwg) {
     if ((threadIdx.x & 127) == 0)
       trace_add(1 + cwg, {items, tiles, trace_clock() - begin, masked_tiles, setup, first, wait, plain, masked, store,
-                          qwait, stage, lastpv, ssync, between});
+                          qwait, stage, lastpv, ssync, between, sfence});
   }
 };
 #else
@@ -367,8 +368,9 @@ __device__ __forceinline__ bool wgmma_store_rows_staged(const AttentionParams& p
   }
   const int t = threadIdx.x & 127;
   if (by_box) {
-    wgmma::fence_operands();  // this thread's staged rows, visible to the accelerator's reads (the async proxy)
     ATTNFORGE_TRACE(tr.lap(tr.stage);)
+    wgmma::fence_operands();  // this thread's staged rows, visible to the accelerator's reads (the async proxy)
+    ATTNFORGE_TRACE(tr.lap(tr.sfence);)
     mbar::named_sync(bar, 128);
     ATTNFORGE_TRACE(tr.lap(tr.ssync);)
     if (t != 0) return false;
