@@ -71,6 +71,7 @@ void run_decode(const AttentionParams& p, cudaStream_t stream) {
     }
   }
   run_merge(p, stream);
+  ATTNFORGE_TL(if (!is_fp8(p.kv.dtype)) print_timeline("decode", stream);)  // trace builds: 16-bit K/V only
 }
 
 }  // namespace attnforge::cuda

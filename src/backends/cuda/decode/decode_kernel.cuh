@@ -25,6 +25,7 @@
 #include "backends/cuda/device/hooks.cuh"
 #include "backends/cuda/device/ptx.cuh"
 #include "backends/cuda/device/tiles.cuh"
+#include "backends/cuda/device/timeline.cuh"
 
 namespace attnforge::cuda {
 
@@ -198,6 +199,11 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   const int num_items = plan.num_items;
   const bool rope = !kFp8 && !kCustom && vp.rope.enabled != 0;  // a custom variant does its own RoPE
   if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
+  // Trace builds (device/timeline.cuh): cycles of the prologue (item to the first copies issued), the first tile's
+  // wait, the rest of the loop and the finish, summed over the CTA's items; the global time tile 0 landed.
+  ATTNFORGE_TL(const long long tl_start = global_ns(); long long tl_t = cycles(), tl_ph[4] = {0, 0, 0, 0};
+               long long tl_first = 0, tl_tiles = 0;
+               auto tl_lap = [&](int i) { const long long n = cycles(); tl_ph[i] += n - tl_t; tl_t = n; };)
 
   for (int item_index = linear / p.num_kv_heads; item_index < num_items; item_index += gridDim.x) {
     const WorkItem it = plan.items[item_index];
@@ -255,6 +261,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
       cp_async_commit();
     }
     if (Tr::kStages - 1 < num_tiles) fetch_pages(Tr::kStages - 1);
+    ATTNFORGE_TL(tl_lap(0); tl_tiles += num_tiles;)
     // fp8: Q through registers, its global latency behind the K/V copies already in flight; the main loop's first
     // barrier publishes the stores.
     if constexpr (kFp8)
@@ -288,6 +295,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     for (int t = 0; t < num_tiles; ++t) {
       cp_async_wait<Tr::kStages - 2>();
       __syncthreads();  // tile t has landed for every thread, and every warp is done with tile t - 1
+      ATTNFORGE_TL(if (t == 0) {
+        tl_lap(1);
+        if (tl_first == 0) tl_first = global_ns();
+      })
       if constexpr (kQScaled) {
         if (t == 0) {
           q_scale[0] = s_qscale[lane / 4], q_scale[1] = s_qscale[lane / 4 + 8];
@@ -457,6 +468,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     }
     cp_async_wait<0>();
     __syncthreads();  // all warps are done with the stages: reuse them for the merge
+    ATTNFORGE_TL(tl_lap(2);)
     // The merge kernel may be scheduled once every CTA got here (it waits for this grid's end before reading).
     grid_launch_dependents();
 
@@ -486,7 +498,12 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
       finish_rows<Tr>(p, it, ms, row0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
 
     __syncthreads();  // shared memory is reused by the next item
+    ATTNFORGE_TL(tl_lap(3);)
   }
+  ATTNFORGE_TL(if (long long* f = timeline_slot(); f && tid == 0) {
+    f[0] = tl_start, f[1] = global_ns(), f[2] = tl_ph[0], f[3] = tl_ph[1], f[4] = tl_ph[2], f[5] = tl_ph[3];
+    f[6] = tl_first, f[7] = (sm_id() << 32) | tl_tiles;
+  })
 }
 
 template <class Tr>

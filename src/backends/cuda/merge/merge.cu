@@ -46,6 +46,7 @@ void run_merge(const AttentionParams& p, cudaStream_t stream) {
   config.attrs = &attribute;
   config.numAttrs = merge_programmatic_launch() ? 1 : 0;
   ATTNFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, merge_kernel, p));
+  ATTNFORGE_TL(print_timeline("merge", stream);)  // trace builds: before the attention kernel's lines
 }
 
 void run_merge_states(const MergeStatesParams& p, cudaStream_t stream) {

@@ -7,6 +7,7 @@
 #include "attnforge/kernel/state.h"
 #include "attnforge/kernel/variant.h"
 #include "backends/cuda/device/ptx.cuh"
+#include "backends/cuda/device/timeline.cuh"
 
 namespace attnforge::cuda {
 
@@ -162,19 +163,27 @@ __device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m
   // One warp per row: this warp's head (none past the last); else the CTA's head.
   const int h = one_warp ? static_cast<int>(blockIdx.y) * kMergeWarps + warp : static_cast<int>(blockIdx.y);
   if (one_warp && h >= p.num_qo_heads) return;  // no barrier in this shape
+  // Trace builds (device/timeline.cuh): the global time at the start, past the first wait, and at the end.
+  ATTNFORGE_TL(const long long tl_start = global_ns(); long long tl_waited = 0, tl_merges = 0;)
   for (int mi_index = blockIdx.x; mi_index < plan.num_merges; mi_index += gridDim.x) {
     const MergeItem mi = plan.merges[mi_index];
     // The first states' partial rows (plan metadata, not written by the attention kernel) before the wait.
     const int k = one_warp ? lane : warp + kMergeWarps * lane;
     const int first_row = k < mi.num_items ? plan.items[mi.first_item + k].partial_row : 0;
     grid_dependency_wait();
+    ATTNFORGE_TL(if (tl_waited == 0) tl_waited = global_ns();)
     for (int tok = mi.qo_begin + static_cast<int>(blockIdx.z); tok < mi.qo_end; tok += gridDim.z) {
       if (one_warp)
         merge_row_warp<kPairs>(p, plan, mi, tok, h, first_row);
       else
         merge_row_block<kPairs>(p, plan, mi, tok, h, first_row, s_m, s_l, s_o);
     }
+    ATTNFORGE_TL(++tl_merges;)
   }
+  ATTNFORGE_TL(if (long long* f = timeline_slot(); f && threadIdx.x == 0) {
+    f[0] = tl_start, f[1] = global_ns(), f[2] = tl_waited, f[3] = f[4] = f[5] = f[6] = 0;
+    f[7] = (sm_id() << 32) | tl_merges;
+  })
 }
 
 // Combines the partial states of each merge item (the shapes above), grid-stride over the plan's merges and over a

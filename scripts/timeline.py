@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Turns the per-CTA timelines a trace build of the decode and merge kernels prints (device/timeline.cuh:
+ATTNFORGE_TIMELINE; scripts/device-check trace) into a picture of one decode step: when the CTAs start, how long
+their prologue and first tile take, how the tiles go, when they end, and when the merge's CTAs pass their wait and
+end. Times are microseconds from the first decode CTA's start; phases are measured in clock cycles and converted
+with the clock rate the CTAs' own global-timer spans imply.
+
+usage: timeline.py CASE_NAME TRACE_OUTPUT"""
+import statistics
+import sys
+
+
+def quantiles(xs, qs=(0.0, 0.1, 0.5, 0.9, 1.0)):
+    xs = sorted(xs)
+    return [xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] for q in qs]
+
+
+def fmt(xs, scale=1e-3):
+    return " / ".join(f"{x * scale:.1f}" for x in quantiles(xs))
+
+
+def read_steps(path):
+    """[(decode rows, merge rows or None)] in launch order; a merge launch belongs to the decode launch after it."""
+    steps, cur, pending_merge = [], None, None
+    for line in open(path, errors="replace"):
+        w = line.split()
+        if not w:
+            continue
+        if w[0] == "timeline-launch":
+            cur = []
+            if w[1] == "merge":
+                pending_merge = cur
+            else:
+                steps.append((cur, pending_merge))
+                pending_merge = None
+        elif w[0] == "timeline" and cur is not None and len(w) == 11:
+            cur.append([int(x) for x in w[3:]])
+    return steps
+
+
+def describe(decode, merge):
+    t0 = min(r[0] for r in decode)
+    span = max(r[1] for r in decode) - t0
+    out = []
+    ns = [r[1] - r[0] for r in decode]
+    cyc = [r[2] + r[3] + r[4] + r[5] for r in decode]
+    ghz = statistics.median(c / n for c, n in zip(cyc, ns) if n > 0)
+    tiles = [r[7] & 0xFFFFFFFF for r in decode]
+    sms = {r[7] >> 32 for r in decode}
+    starts = sorted({r[0] for r in decode})
+    steps = [b - a for a, b in zip(starts, starts[1:])]
+    out.append(f"{len(decode)} decode CTAs on {len(sms)} SMs, tiles a CTA {fmt(tiles, 1)} (min/p10/p50/p90/max); "
+               f"clock {ghz:.2f} GHz; global timer step {min(steps) if steps else 0} ns")
+    out.append(f"  start        {fmt([r[0] - t0 for r in decode])} us")
+    cy = 1e-3 / ghz  # cycles -> us
+    out.append(f"  prologue     {fmt([r[2] for r in decode], cy)} us (item to the first copies issued)")
+    out.append(f"  first tile   {fmt([r[3] for r in decode], cy)} us (issued to landed)")
+    out.append(f"  landed at    {fmt([r[6] - t0 for r in decode if r[6]])} us")
+    per_tile = [r[4] / max(1, (r[7] & 0xFFFFFFFF) - 1) for r in decode if (r[7] & 0xFFFFFFFF) > 1]
+    if per_tile:
+        out.append(f"  later tiles  {fmt(per_tile, cy)} us a tile")
+    out.append(f"  finish       {fmt([r[5] for r in decode], cy)} us (loop end to the partial or final rows written)")
+    out.append(f"  end          {fmt([r[1] - t0 for r in decode])} us; decode span {span / 1e3:.1f} us")
+    # How many CTAs are running, and how many still wait for their first tile, every 2 us.
+    edges = range(0, span + 2000, 2000)
+    running = [sum(1 for r in decode if r[0] - t0 <= e < r[1] - t0) for e in edges]
+    waiting = [sum(1 for r in decode if r[0] - t0 <= e and (r[6] == 0 or e < r[6] - t0)) for e in edges]
+    out.append("  running/first-tile-pending every 2 us: " +
+               " ".join(f"{a}/{b}" for a, b in zip(running, waiting)))
+    if merge:
+        out.append(f"  merge: {len(merge)} CTAs, start {fmt([r[0] - t0 for r in merge])} us, past the wait "
+                   f"{fmt([r[2] - t0 for r in merge if r[2]])} us, end {fmt([r[1] - t0 for r in merge])} us; "
+                   f"step span {(max(r[1] for r in merge) - t0) / 1e3:.1f} us")
+    return span, out
+
+
+def main() -> int:
+    name, path = sys.argv[1], sys.argv[2]
+    steps = [(d, m) for d, m in read_steps(path) if d]
+    if not steps:
+        print(f"timeline {name}: no timeline lines (a trace build with ATTNFORGE_TIMELINE=1?)")
+        return 1
+    described = sorted((describe(d, m) for d, m in steps[1:] or steps), key=lambda x: x[0])
+    spans = [s for s, _ in described]
+    print(f"timeline {name}: {len(steps)} launches, decode span min/median/max "
+          f"{spans[0] / 1e3:.1f} / {spans[len(spans) // 2] / 1e3:.1f} / {spans[-1] / 1e3:.1f} us; the median launch:")
+    for line in described[len(described) // 2][1]:
+        print("  " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
