@@ -16,6 +16,8 @@ def quantiles(xs, qs=(0.0, 0.1, 0.5, 0.9, 1.0)):
 
 
 def fmt(xs, scale=1e-3):
+    if not xs:
+        return "-"
     return " / ".join(f"{x * scale:.1f}" for x in quantiles(xs))
 
 
@@ -33,7 +35,7 @@ def read_steps(path):
             else:
                 steps.append((cur, pending_merge))
                 pending_merge = None
-        elif w[0] == "timeline" and cur is not None and len(w) == 11:
+        elif w[0] == "timeline" and cur is not None and len(w) == 15:
             cur.append([int(x) for x in w[3:]])
     return steps
 
@@ -42,29 +44,30 @@ def describe(decode, merge):
     t0 = min(r[0] for r in decode)
     span = max(r[1] for r in decode) - t0
     out = []
-    ns = [r[1] - r[0] for r in decode]
-    cyc = [r[2] + r[3] + r[4] + r[5] for r in decode]
-    ghz = statistics.median(c / n for c, n in zip(cyc, ns) if n > 0)
-    tiles = [r[7] & 0xFFFFFFFF for r in decode]
-    sms = {r[7] >> 32 for r in decode}
+    busy = [r for r in decode if r[10] & 0xFFFFFFFF] or decode  # CTAs past the plan's last item do nothing
+    ghz = statistics.median(sum(r[2:9]) / max(1, r[1] - r[0]) for r in busy) or 1.0
+    tiles = [r[10] & 0xFFFFFFFF for r in decode]
+    sms = {r[10] >> 32 for r in decode}
     starts = sorted({r[0] for r in decode})
     steps = [b - a for a, b in zip(starts, starts[1:])]
-    out.append(f"{len(decode)} decode CTAs on {len(sms)} SMs, tiles a CTA {fmt(tiles, 1)} (min/p10/p50/p90/max); "
+    out.append(f"{len(decode)} decode CTAs ({len(busy)} with tiles) on {len(sms)} SMs, tiles a CTA {fmt(tiles, 1)} (min/p10/p50/p90/max); "
                f"clock {ghz:.2f} GHz; global timer step {min(steps) if steps else 0} ns")
     out.append(f"  start        {fmt([r[0] - t0 for r in decode])} us")
     cy = 1e-3 / ghz  # cycles -> us
     out.append(f"  prologue     {fmt([r[2] for r in decode], cy)} us (item to the first copies issued)")
     out.append(f"  first tile   {fmt([r[3] for r in decode], cy)} us (issued to landed)")
-    out.append(f"  landed at    {fmt([r[6] - t0 for r in decode if r[6]])} us")
-    per_tile = [r[4] / max(1, (r[7] & 0xFFFFFFFF) - 1) for r in decode if (r[7] & 0xFFFFFFFF) > 1]
+    out.append(f"  landed at    {fmt([r[9] - t0 for r in decode if r[9]])} us")
+    per_tile = [r[4] / max(1, (r[10] & 0xFFFFFFFF) - 1) for r in decode if (r[10] & 0xFFFFFFFF) > 1]
     if per_tile:
         out.append(f"  later tiles  {fmt(per_tile, cy)} us a tile")
-    out.append(f"  finish       {fmt([r[5] for r in decode], cy)} us (loop end to the partial or final rows written)")
+    out.append(f"  finish       {fmt([sum(r[5:9]) for r in decode], cy)} us (loop end to the partial or final rows written)")
+    for name, i in (("stash", 5), ("spread O", 6), ("write rows", 7), ("last sync", 8)):
+        out.append(f"    {name:<10} {fmt([r[i] for r in decode], cy)} us")
     out.append(f"  end          {fmt([r[1] - t0 for r in decode])} us; decode span {span / 1e3:.1f} us")
     # How many CTAs are running, and how many still wait for their first tile, every 2 us.
     edges = range(0, span + 2000, 2000)
     running = [sum(1 for r in decode if r[0] - t0 <= e < r[1] - t0) for e in edges]
-    waiting = [sum(1 for r in decode if r[0] - t0 <= e and (r[6] == 0 or e < r[6] - t0)) for e in edges]
+    waiting = [sum(1 for r in decode if r[0] - t0 <= e and (r[9] == 0 or e < r[9] - t0)) for e in edges]
     out.append("  running/first-tile-pending every 2 us: " +
                " ".join(f"{a}/{b}" for a, b in zip(running, waiting)))
     if merge:

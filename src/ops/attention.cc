@@ -276,6 +276,21 @@ void check_workspace(const AttentionPlan& plan, const Workspace& ws) {
 
 // The kernels' view of a plan whose workspace starts at `base`: counts and the partial-state regions, which
 // follow the metadata. Metadata pointers are filled by the caller (host or device addresses).
+// Where upload_plan places the plan's arrays in device memory, as byte offsets from the workspace's start (the
+// PlanView itself sits at offset 0). Fixed for a batch size and the plan's capacities, like the launch sizes.
+struct PlanLayout {
+  size_t qo_indptr, kv_len, items, merges;
+};
+PlanLayout plan_layout(const AttentionPlan& plan) {
+  const size_t batch = static_cast<size_t>(plan.batch_size);
+  PlanLayout l{};
+  l.qo_indptr = detail::align256(sizeof(PlanView));
+  l.kv_len = l.qo_indptr + detail::align256((batch + 1) * sizeof(int32_t));
+  l.items = l.kv_len + detail::align256(batch * sizeof(int32_t));
+  l.merges = l.items + detail::align256(plan.item_capacity * sizeof(WorkItem));
+  return l;
+}
+
 PlanView plan_view(const AttentionPlan& plan, void* base) {
   PlanView v{};
   v.num_items = static_cast<int32_t>(plan.items.size());
@@ -379,6 +394,7 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
       fail(ErrorKind::kPlanMismatch, "plan: not uploaded to this workspace ({}); call upload_plan(plan, workspace, "
            "staging, ...) after planning and before run()", ws.data);
     p.plan = static_cast<const PlanView*>(ws.data);
+    p.items = reinterpret_cast<const WorkItem*>(static_cast<const char*>(ws.data) + plan_layout(plan).items);
   } else {
     host_view = plan_view(plan, ws.data);
     host_view.qo_indptr = plan.qo_indptr.data();
@@ -386,6 +402,7 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
     host_view.items = plan.items.data();
     host_view.merges = plan.merges.data();
     p.plan = &host_view;
+    p.items = host_view.items;
   }
 }
 
@@ -490,20 +507,15 @@ void upload_plan(AttentionPlan& plan, const Workspace& workspace, void* host_sta
     char* stage = static_cast<char*>(host_staging);
     char* base = static_cast<char*>(workspace.data);
     PlanView v = plan_view(plan, workspace.data);
-    size_t off = detail::align256(sizeof(PlanView));
-    auto place = [&](const void* src, size_t bytes, size_t region) {
-      std::memcpy(stage + off, src, bytes);
-      const void* device_address = base + off;
-      off += detail::align256(region);
-      return device_address;
+    const PlanLayout l = plan_layout(plan);
+    auto place = [&](const auto& values, size_t off) {
+      std::memcpy(stage + off, values.data(), values.size() * sizeof(values[0]));
+      return reinterpret_cast<decltype(values.data())>(base + off);
     };
-    const size_t batch = static_cast<size_t>(plan.batch_size);
-    v.qo_indptr = static_cast<const int32_t*>(place(plan.qo_indptr.data(), (batch + 1) * sizeof(int32_t), (batch + 1) * sizeof(int32_t)));
-    v.kv_len = static_cast<const int32_t*>(place(plan.kv_len.data(), batch * sizeof(int32_t), batch * sizeof(int32_t)));
-    v.items = static_cast<const WorkItem*>(place(plan.items.data(), plan.items.size() * sizeof(WorkItem),
-                                                  plan.item_capacity * sizeof(WorkItem)));
-    v.merges = static_cast<const MergeItem*>(place(plan.merges.data(), plan.merges.size() * sizeof(MergeItem),
-                                                    plan.merge_capacity * sizeof(MergeItem)));
+    v.qo_indptr = place(plan.qo_indptr, l.qo_indptr);
+    v.kv_len = place(plan.kv_len, l.kv_len);
+    v.items = place(plan.items, l.items);
+    v.merges = place(plan.merges, l.merges);
     std::memcpy(stage, &v, sizeof(v));
     backend.copy_to_device(workspace.data, stage, plan.metadata_bytes, stream);
   }

@@ -192,23 +192,34 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   // plan's longest-first item order is the order its CTAs start in, not one head's items after another's.
   const int linear = blockIdx.x + gridDim.x * blockIdx.y;  // gridDim.y is the KV head count
   const int kv_head = linear % p.num_kv_heads;
+  // The first item is requested before its count is known (p.items is plan.items, in the arguments), so the PlanView
+  // and the item cost one memory trip, not two: the prologue's chain is the plan, the request's offsets and
+  // lengths, its page ids, then its K/V (per-CTA timelines, device/timeline.cuh: four trips took 3.2-3.7 us).
+  int item_index = linear / p.num_kv_heads;
+  WorkItem first_item{};
+  if (item_index < p.item_capacity) first_item = p.items[item_index];
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int row0 = blockIdx.z * Tr::kRows;
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
   const bool transform = !kCustom && (vp.soft_cap > 0.f || vp.alibi_slopes != nullptr);
   const int num_items = plan.num_items;
+  PlanView rows_view{};  // the request arrays item_rows reads, their pointers loaded with the count (the same trip)
+  rows_view.qo_indptr = plan.qo_indptr, rows_view.kv_len = plan.kv_len;
   const bool rope = !kFp8 && !kCustom && vp.rope.enabled != 0;  // a custom variant does its own RoPE
   if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
   // Trace builds (device/timeline.cuh): cycles of the prologue (item to the first copies issued), the first tile's
-  // wait, the rest of the loop and the finish, summed over the CTA's items; the global time tile 0 landed.
-  ATTNFORGE_TL(const long long tl_start = global_ns(); long long tl_t = cycles(), tl_ph[4] = {0, 0, 0, 0};
+  // wait, the rest of the loop, and the finish's steps (row states stashed, O spread, rows written, last barrier),
+  // summed over the CTA's items; the global time tile 0 landed.
+  ATTNFORGE_TL(const long long tl_start = global_ns(); long long tl_t = cycles(), tl_ph[7] = {0, 0, 0, 0, 0, 0, 0};
                long long tl_first = 0, tl_tiles = 0;
                auto tl_lap = [&](int i) { const long long n = cycles(); tl_ph[i] += n - tl_t; tl_t = n; };)
 
-  for (int item_index = linear / p.num_kv_heads; item_index < num_items; item_index += gridDim.x) {
-    const WorkItem it = plan.items[item_index];
+  for (bool first = true; item_index < num_items; item_index += gridDim.x, first = false) {
+    const WorkItem it = first ? first_item : p.items[item_index];
+    using Loader = KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes>;
+    const int64_t page_list = Loader::page_list_of(kv, it.request);  // in the same trip as item_rows' loads
     ItemRows m;
-    if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
+    if (!item_rows<Tr::kRows>(rows_view, it, group, row0, m)) continue;
     const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
 
     // Q rows -> shared (zeros past `rows`); committed with the first K/V tile (fp8: after the prologue below).
@@ -240,8 +251,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     }
     const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + Tr::kTileTokens - 1) / Tr::kTileTokens : 0;
 
-    KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes> loader(kv, b, kv_head,
-                                                                                                  range_lo, range_hi);
+    Loader loader(kv, page_list, kv_head, range_lo, range_hi);
     auto load_tile = [&](int t, int s) {
       loader.load(t, sK + s * Tr::kTileBytes, sV + s * Tr::kTileBytes);
     };
@@ -481,6 +491,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     }
     ms.stash_rows(warp, lane / 4, m_row, l_row, lane % 4 == 0);
     __syncthreads();
+    ATTNFORGE_TL(tl_lap(3);)
     for (int h = 0; h < 2; ++h) {
       const int r = lane / 4 + 8 * h;
       const float f = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(m_run[h] - ms.row_max(r));
@@ -492,17 +503,20 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
         }
     }
     __syncthreads();
+    ATTNFORGE_TL(tl_lap(4);)
     if constexpr (kCustom)
       finish_rows_variant<Tr, V>(p, va, it, ms, row0, rows, group, kv_head, qo_start, qo_len, kv_len);
     else
       finish_rows<Tr>(p, it, ms, row0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
+    ATTNFORGE_TL(tl_lap(5);)
 
     __syncthreads();  // shared memory is reused by the next item
-    ATTNFORGE_TL(tl_lap(3);)
+    ATTNFORGE_TL(tl_lap(6);)
   }
   ATTNFORGE_TL(if (long long* f = timeline_slot(); f && tid == 0) {
-    f[0] = tl_start, f[1] = global_ns(), f[2] = tl_ph[0], f[3] = tl_ph[1], f[4] = tl_ph[2], f[5] = tl_ph[3];
-    f[6] = tl_first, f[7] = (sm_id() << 32) | tl_tiles;
+    f[0] = tl_start, f[1] = global_ns();
+    for (int i = 0; i < 7; ++i) f[2 + i] = tl_ph[i];
+    f[9] = tl_first, f[10] = (sm_id() << 32) | tl_tiles;
   })
 }
 

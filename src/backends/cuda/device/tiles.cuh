@@ -264,11 +264,18 @@ struct KVTileLoader {
   int32_t pages[kPageSlots > 0 ? 1 : kLoadRows];  // page ids (ragged: packed rows) of the rows copied next
   int32_t* slots;                                   // shared page-id slots (kPageSlots > 0)
 
+  // Where a request's page ids (ragged: rows) start in kv.page_ids: a load for CSR tables, which a kernel may issue
+  // early (the constructor below that takes it) so that it shares a memory trip with the request's other offsets.
+  static __device__ __forceinline__ int64_t page_list_of(const KVParams& kv, int request) {
+    return kv.format == KVFormat::kBlockTable ? static_cast<int64_t>(request) * kv.page_list_stride
+                                              : static_cast<int64_t>(kv.page_list_indptr[request]);
+  }
   __device__ __forceinline__ KVTileLoader(const KVParams& kv_, int request, int kv_head_, int first_, int last_,
                                           int32_t* slots_ = nullptr)
-      : kv(kv_), first(first_), last(last_), kv_head(kv_head_), slots(slots_) {
-    page_list = kv.format == KVFormat::kBlockTable ? static_cast<int64_t>(request) * kv.page_list_stride
-                                                   : static_cast<int64_t>(kv.page_list_indptr[request]);
+      : KVTileLoader(kv_, page_list_of(kv_, request), kv_head_, first_, last_, slots_) {}
+  __device__ __forceinline__ KVTileLoader(const KVParams& kv_, int64_t page_list_, int kv_head_, int first_, int last_,
+                                          int32_t* slots_ = nullptr)
+      : kv(kv_), page_list(page_list_), first(first_), last(last_), kv_head(kv_head_), slots(slots_) {
     // Page sizes are almost always powers of two; shifts then replace two integer divisions per row and tile.
     page_pow2 = (kv.page_size & (kv.page_size - 1)) == 0;
     page_shift = __ffs(kv.page_size) - 1;

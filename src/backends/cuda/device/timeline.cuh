@@ -15,9 +15,9 @@
 
 namespace attnforge::cuda {
 
-constexpr int kTimelineSlots = 4096, kTimelineFields = 8;
-// Fields: 0 global ns at the start, 1 global ns at the end, 2..6 the kernel's phases (clock cycles, or global ns
-// where the kernel says so), 7 (SM << 32) | count (items or tiles).
+constexpr int kTimelineSlots = 4096, kTimelineFields = 12;
+// Fields: 0 global ns at the start, 1 global ns at the end, 2..9 what the kernel says (clock cycles of its phases,
+// or global times), 10 (SM << 32) | count (items or tiles), 11 unused.
 static __device__ long long timeline[kTimelineSlots][kTimelineFields];
 
 __device__ __forceinline__ long long global_ns() {
@@ -46,7 +46,7 @@ __device__ __forceinline__ long long* timeline_slot() {
   return linear < kTimelineSlots ? timeline[linear] : nullptr;
 }
 
-// Waits for the stream, prints every used slot as "timeline KERNEL slot f0 .. f7" and clears them. Not while the
+// Waits for the stream, prints every used slot as "timeline KERNEL slot f0 .. f11" and clears them. Not while the
 // stream is being captured.
 static void print_timeline(const char* kernel, cudaStream_t stream) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
@@ -62,8 +62,9 @@ static void print_timeline(const char* kernel, cudaStream_t stream) {
   for (int s = 0; s < kTimelineSlots; ++s) {
     const long long* f = h[s];
     if (f[0] == 0) continue;
-    std::printf("timeline %s %d %lld %lld %lld %lld %lld %lld %lld %lld\n", kernel, s, f[0], f[1], f[2], f[3], f[4],
-                f[5], f[6], f[7]);
+    std::printf("timeline %s %d", kernel, s);
+    for (int i = 0; i < kTimelineFields; ++i) std::printf(" %lld", f[i]);
+    std::printf("\n");
   }
 }
 

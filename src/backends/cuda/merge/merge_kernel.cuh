@@ -181,8 +181,7 @@ __device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m
     ATTNFORGE_TL(++tl_merges;)
   }
   ATTNFORGE_TL(if (long long* f = timeline_slot(); f && threadIdx.x == 0) {
-    f[0] = tl_start, f[1] = global_ns(), f[2] = tl_waited, f[3] = f[4] = f[5] = f[6] = 0;
-    f[7] = (sm_id() << 32) | tl_merges;
+    f[0] = tl_start, f[1] = global_ns(), f[2] = tl_waited, f[10] = (sm_id() << 32) | tl_merges;
   })
 }
 
