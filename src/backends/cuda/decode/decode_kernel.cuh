@@ -205,8 +205,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   const int linear = blockIdx.x + gridDim.x * blockIdx.y;  // gridDim.y is the KV head count
   const int kv_head = linear % p.num_kv_heads;
   // The first item is requested before its count is known (p.items is plan.items, in the arguments), so the PlanView
-  // and the item cost one memory trip, not two: the prologue's chain is the plan, the request's offsets and
-  // lengths, its page ids, then its K/V (per-CTA timelines, device/timeline.cuh: four trips took 3.2-3.7 us).
+  // and the item share one memory trip; with the page-list offset beside the request's lengths below, the chain to
+  // the first K/V copy is three trips where it was five. Measured (per-CTA timelines, device/timeline.cuh): the
+  // prologue stayed at 3.4-3.8 us, so its cost is its instructions (about 1,400 to the last copy of tile 0, most of
+  // them the loader's address arithmetic), not the trips.
   int item_index = linear / p.num_kv_heads;
   WorkItem first_item{};
   if (item_index < p.item_capacity) first_item = p.items[item_index];
