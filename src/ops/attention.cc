@@ -274,8 +274,6 @@ void check_workspace(const AttentionPlan& plan, const Workspace& ws) {
     fail(ErrorKind::kWorkspace, "workspace: address {} is not 256-byte aligned", ws.data);
 }
 
-// The kernels' view of a plan whose workspace starts at `base`: counts and the partial-state regions, which
-// follow the metadata. Metadata pointers are filled by the caller (host or device addresses).
 // Where upload_plan places the plan's arrays in device memory, as byte offsets from the workspace's start (the
 // PlanView itself sits at offset 0). Fixed for a batch size and the plan's capacities, like the launch sizes.
 struct PlanLayout {
@@ -291,6 +289,8 @@ PlanLayout plan_layout(const AttentionPlan& plan) {
   return l;
 }
 
+// The kernels' view of a plan whose workspace starts at `base`: counts and the partial-state regions, which
+// follow the metadata. Metadata pointers are filled by the caller (host or device addresses).
 PlanView plan_view(const AttentionPlan& plan, void* base) {
   PlanView v{};
   v.num_items = static_cast<int32_t>(plan.items.size());
