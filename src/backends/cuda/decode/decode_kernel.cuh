@@ -204,14 +204,11 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   // plan's longest-first item order is the order its CTAs start in, not one head's items after another's.
   const int linear = blockIdx.x + gridDim.x * blockIdx.y;  // gridDim.y is the KV head count
   const int kv_head = linear % p.num_kv_heads;
-  // The first item is requested before its count is known (p.items is plan.items, in the arguments), so the PlanView
-  // and the item share one memory trip; with the page-list offset beside the request's lengths below, the chain to
-  // the first K/V copy is three trips where it was five. Measured (per-CTA timelines, device/timeline.cuh): the
-  // prologue stayed at 3.4-3.8 us, so its cost is its instructions (about 1,400 to the last copy of tile 0, most of
-  // them the loader's address arithmetic), not the trips.
+  // The page-list offset is loaded beside the request's lengths (below), one memory trip for both. Requesting the
+  // first item before its count was known (p.items, in the arguments) saved another trip but nothing measurable (the
+  // per-CTA timelines kept the prologue at 3.4-3.8 us: its cost is its instructions, most of them the loader's), and
+  // its registers made the fp8 kernel spill once the loader's whole-tile path was on, so the item waits for its count.
   int item_index = linear / p.num_kv_heads;
-  WorkItem first_item{};
-  if (item_index < p.item_capacity) first_item = p.items[item_index];
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int row0 = blockIdx.z * Tr::kRows;
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
@@ -228,8 +225,8 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
                long long tl_first = 0, tl_tiles = 0;
                auto tl_lap = [&](int i) { const long long n = cycles(); tl_ph[i] += n - tl_t; tl_t = n; };)
 
-  for (bool first = true; item_index < num_items; item_index += gridDim.x, first = false) {
-    const WorkItem it = first ? first_item : p.items[item_index];
+  for (; item_index < num_items; item_index += gridDim.x) {
+    const WorkItem it = p.items[item_index];
     using Loader = KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes>;
     const int64_t page_list = Loader::page_list_of(kv, it.request);  // in the same trip as item_rows' loads
     ItemRows m;

@@ -316,7 +316,7 @@ struct KVTileLoader {
     const uint32_t k_token_bytes = static_cast<uint32_t>(kv.k_stride_token * kElemBytes);
     const uint32_t v_page_bytes = static_cast<uint32_t>(kv.v_stride_page * kElemBytes);
     const uint32_t v_token_bytes = static_cast<uint32_t>(kv.v_stride_token * kElemBytes);
-    if constexpr (kPageSlots == 0 && !kPanels && kRowGroups % 8 == 0 && kElemBytes == 2) {
+    if constexpr (kPageSlots == 0 && !kPanels && kRowGroups % 8 == 0) {
       // A whole tile of a paged cache with power-of-two pages (the common case; the decode kernel's every tile but
       // an item's last): no row is past `last`, a row's slot is a mask, and this thread's rows r0 + i kRowGroups
       // keep r0's swizzle, so a row's destination is the first one's plus an immediate. A row costs its slot, two
@@ -328,13 +328,16 @@ struct KVTileLoader {
         const int dst0 = swizzle_bytes<kRowBytes>(r0, chunk);
         const uint32_t token0 = static_cast<uint32_t>(first + t * kTileTokens + r0);
         const uint32_t slot_mask = static_cast<uint32_t>(kv.page_size - 1);
+        const bool same = k_page_bytes == v_page_bytes && k_token_bytes == v_token_bytes;  // K and V alike
+        const int64_t v_minus_k = v_base - k_base;
         #pragma unroll
         for (int k = 0; k < kLoadRows; ++k) {
           const uint32_t slot = (token0 + k * kRowGroups) & slot_mask, page = static_cast<uint32_t>(pages[k]);
           const uint8_t* ksrc =
               k_base + (static_cast<uint64_t>(page) * k_page_bytes + static_cast<uint64_t>(slot) * k_token_bytes);
           const uint8_t* vsrc =
-              v_base + (static_cast<uint64_t>(page) * v_page_bytes + static_cast<uint64_t>(slot) * v_token_bytes);
+              same ? ksrc + v_minus_k
+                   : v_base + (static_cast<uint64_t>(page) * v_page_bytes + static_cast<uint64_t>(slot) * v_token_bytes);
           const int dst = dst0 + k * kRowGroups * kRowBytes;
           cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, 16);
           cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc, 16);
