@@ -321,8 +321,8 @@ struct KVTileLoader {
       // an item's last): no row is past `last`, a row's slot is a mask, and this thread's rows r0 + i kRowGroups
       // keep r0's swizzle, so a row's destination is the first one's plus an immediate. A row costs its slot, two
       // multiply-adds a copy and the copies: about 17 instructions (sm_90a SASS), where the general path below took
-      // about 35 (validity, the slot's modulo branch, the invalid row's fallback address). 16-bit K/V only: in
-      // the fp8 kernel with bf16 Q at head_dim 128 it made ptxas spill 4 bytes at the 168-register cap.
+      // about 35 (validity, the slot's modulo branch, the invalid row's fallback address). Where K and V have the
+      // same strides (the usual cache), V's address is K's plus the distance between the two bases.
       if (first + (t + 1) * kTileTokens <= last && page_pow2 && kv.format != KVFormat::kRagged) {
         const int r0 = static_cast<int>(threadIdx.x) / kChunks;
         const int dst0 = swizzle_bytes<kRowBytes>(r0, chunk);
