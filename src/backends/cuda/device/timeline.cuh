@@ -47,8 +47,8 @@ __device__ __forceinline__ long long* timeline_slot() {
 }
 
 // Waits for the stream, prints every used slot as "timeline KERNEL slot f0 .. f11" and clears them. Not while the
-// stream is being captured.
-static void print_timeline(const char* kernel, cudaStream_t stream) {
+// stream is being captured. Per translation unit, like `timeline` (unused in the ones that only record).
+[[maybe_unused]] static void print_timeline(const char* kernel, cudaStream_t stream) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) return;
   static long long h[kTimelineSlots][kTimelineFields];
