@@ -205,17 +205,14 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   const int linear = blockIdx.x + gridDim.x * blockIdx.y;  // gridDim.y is the KV head count
   const int kv_head = linear % p.num_kv_heads;
   // The page-list offset is loaded beside the request's lengths (below), one memory trip for both. Requesting the
-  // first item before its count was known (p.items, in the arguments) saved another trip but nothing measurable (the
-  // per-CTA timelines kept the prologue at 3.4-3.8 us: its cost is its instructions, most of them the loader's), and
-  // its registers made the fp8 kernel spill once the loader's whole-tile path was on, so the item waits for its count.
-  int item_index = linear / p.num_kv_heads;
+  // first item and the request arrays' pointers before the item count was known saved two more trips but nothing
+  // measurable (the per-CTA timelines kept the prologue at 3.4-3.8 us: its cost is its instructions, most of them the
+  // loader's), and its registers made the fp8 kernel spill once the loader's whole-tile path was on: not done.
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int row0 = blockIdx.z * Tr::kRows;
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
   const bool transform = !kCustom && (vp.soft_cap > 0.f || vp.alibi_slopes != nullptr);
   const int num_items = plan.num_items;
-  PlanView rows_view{};  // the request arrays item_rows reads, their pointers loaded with the count (the same trip)
-  rows_view.qo_indptr = plan.qo_indptr, rows_view.kv_len = plan.kv_len;
   const bool rope = !kFp8 && !kCustom && vp.rope.enabled != 0;  // a custom variant does its own RoPE
   if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
   // Trace builds (device/timeline.cuh): cycles of the prologue (item to the first copies issued), the first tile's
@@ -225,12 +222,12 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
                long long tl_first = 0, tl_tiles = 0;
                auto tl_lap = [&](int i) { const long long n = cycles(); tl_ph[i] += n - tl_t; tl_t = n; };)
 
-  for (; item_index < num_items; item_index += gridDim.x) {
-    const WorkItem it = p.items[item_index];
+  for (int item_index = linear / p.num_kv_heads; item_index < num_items; item_index += gridDim.x) {
+    const WorkItem it = plan.items[item_index];
     using Loader = KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes>;
     const int64_t page_list = Loader::page_list_of(kv, it.request);  // in the same trip as item_rows' loads
     ItemRows m;
-    if (!item_rows<Tr::kRows>(rows_view, it, group, row0, m)) continue;
+    if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
     const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
 
     // Q rows -> shared (zeros past `rows`); committed with the first K/V tile (fp8: after the prologue below).
