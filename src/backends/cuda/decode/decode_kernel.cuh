@@ -117,7 +117,7 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
     float4 o{0.f, 0.f, 0.f, 0.f};
     for (int w = 0; w < Tr::kWarps; ++w) {
       const float m_w = ms.m[w * Tr::kRows + r];
-      if (m_w != -ATTNFORGE_INFINITY) l_all += ms.l[w * Tr::kRows + r] * exp2f(m_w - m_all);
+      if (m_w != -ATTNFORGE_INFINITY) l_all += ms.l[w * Tr::kRows + r] * fast_exp2(m_w - m_all);
       const float4 x = *reinterpret_cast<const float4*>(ms.o_at(w, r, d));
       o.x += x.x, o.y += x.y, o.z += x.z, o.w += x.w;
     }
@@ -153,7 +153,7 @@ __device__ __forceinline__ void finish_rows_variant(const AttentionParams& p, co
     float l_all = 0.f;
     for (int w = 0; w < Tr::kWarps; ++w) {
       const float m_w = ms.m[w * Tr::kRows + r];
-      if (m_w != -ATTNFORGE_INFINITY) l_all += ms.l[w * Tr::kRows + r] * exp2f(m_w - m_all);
+      if (m_w != -ATTNFORGE_INFINITY) l_all += ms.l[w * Tr::kRows + r] * fast_exp2(m_w - m_all);
     }
     const QueryRow q = query_row(it, row0 + r, group, kv_head);
     float lse = __int_as_float(0x7fc00000);  // NaN: no LSE without softmax
@@ -396,12 +396,14 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
       // Interior tiles (every row allows all 16 tokens, no per-element transform or custom mask) skip the
       // per-element masking; the test is warp-uniform.
       const bool plain = !kCustom && !transform && !vp.custom_mask && tile_start >= max_lo && tile_start + 16 <= min_hi;
+      // Plain tiles keep raw logits: the scale (positive: run() validates sm_scale and k_scale) commutes with the
+      // maximum and folds into the exponent's FMA below; masked tiles hold logits in log2 units already.
+      const float s_mul = plain ? scale_log2 : 1.f;
       if (plain) {
         for (int nt = 0; nt < 2; ++nt)
-          for (int e = 0; e < 4; ++e) {
-            s_acc[nt][e] *= scale_log2;
-            tile_max[e / 2] = fmaxf(tile_max[e / 2], s_acc[nt][e]);
-          }
+          for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s_acc[nt][e]);
+        tile_max[0] *= scale_log2;
+        tile_max[1] *= scale_log2;
       } else {
         for (int nt = 0; nt < 2; ++nt)
           for (int e = 0; e < 4; ++e) {
@@ -430,17 +432,22 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
           }
       }
       if constexpr (kSoftmax) {
-        float corr[2];
+        // fast_exp2 (one MUFU.EX2; exp2f's subnormal range fix-ups were about 60 instructions of every warp's tile).
+        // A row that has seen no allowed key keeps m = -inf and subtracts 0 instead: its logits (-inf) give p = 0,
+        // and its correction stays 1 so that rows with no key at all (past `rows` in a masked tile) never ask for
+        // the rescale below.
+        float corr[2], m_sub[2];
         for (int h = 0; h < 2; ++h) {
           const float m_new = fmaxf(m_run[h], warp_max_quad(tile_max[h]));
-          corr[h] = m_new == -ATTNFORGE_INFINITY ? 1.f : exp2f(m_run[h] - m_new);
+          m_sub[h] = m_new == -ATTNFORGE_INFINITY ? 0.f : m_new;
+          corr[h] = m_new == -ATTNFORGE_INFINITY ? 1.f : fast_exp2(m_run[h] - m_new);
           m_run[h] = m_new;
           l_run[h] *= corr[h];
         }
         for (int nt = 0; nt < 2; ++nt)
           for (int e = 0; e < 4; ++e) {
             const int h = e / 2;
-            const float pr = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(s_acc[nt][e] - m_run[h]);
+            const float pr = fast_exp2(fmaf(s_acc[nt][e], s_mul, -m_sub[h]));
             s_acc[nt][e] = pr;
             l_run[h] += pr;
           }
@@ -502,7 +509,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     ATTNFORGE_TL(tl_lap(3);)
     for (int h = 0; h < 2; ++h) {
       const int r = lane / 4 + 8 * h;
-      const float f = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(m_run[h] - ms.row_max(r));
+      const float f = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : fast_exp2(m_run[h] - ms.row_max(r));
       for (int n = 0; n < D / 8; ++n)
         for (int e = 0; e < 2; ++e) {
           // Column 2 (lane % 4) + e of n8 tile n; fp8 tiles hold the even or odd dims of 16-dim block n / 2.
