@@ -394,7 +394,6 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
       fail(ErrorKind::kPlanMismatch, "plan: not uploaded to this workspace ({}); call upload_plan(plan, workspace, "
            "staging, ...) after planning and before run()", ws.data);
     p.plan = static_cast<const PlanView*>(ws.data);
-    p.items = reinterpret_cast<const WorkItem*>(static_cast<const char*>(ws.data) + plan_layout(plan).items);
   } else {
     host_view = plan_view(plan, ws.data);
     host_view.qo_indptr = plan.qo_indptr.data();
@@ -402,7 +401,6 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
     host_view.items = plan.items.data();
     host_view.merges = plan.merges.data();
     p.plan = &host_view;
-    p.items = host_view.items;
   }
 }
 

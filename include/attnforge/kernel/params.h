@@ -129,9 +129,6 @@ struct AttentionParams {
   int32_t batch_size, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo;
   int64_t num_qo_tokens;  // Q's and O's tokens (total_qo)
   const PlanView* plan;
-  // plan->items, set at launch: in the arguments too, so a decode CTA can request its first item together with the
-  // PlanView instead of after it (the items' place is fixed for a batch size, like the launch sizes below).
-  const WorkItem* items;
   // Launch sizes, from the plan's capacities (fixed for a batch size, so graphs survive re-plans).
   int32_t item_capacity, merge_capacity, qo_tile;
   int32_t tile_rows;  // the plan's tile_rows: which prefill kernel (CTA rows) serves it

@@ -117,7 +117,7 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
     float4 o{0.f, 0.f, 0.f, 0.f};
     for (int w = 0; w < Tr::kWarps; ++w) {
       const float m_w = ms.m[w * Tr::kRows + r];
-      if (m_w != -ATTNFORGE_INFINITY) l_all += ms.l[w * Tr::kRows + r] * exp2f(m_w - m_all);
+      if (m_w != -ATTNFORGE_INFINITY) l_all += ms.l[w * Tr::kRows + r] * fast_exp2(m_w - m_all);
       const float4 x = *reinterpret_cast<const float4*>(ms.o_at(w, r, d));
       o.x += x.x, o.y += x.y, o.z += x.z, o.w += x.w;
     }
@@ -153,7 +153,7 @@ __device__ __forceinline__ void finish_rows_variant(const AttentionParams& p, co
     float l_all = 0.f;
     for (int w = 0; w < Tr::kWarps; ++w) {
       const float m_w = ms.m[w * Tr::kRows + r];
-      if (m_w != -ATTNFORGE_INFINITY) l_all += ms.l[w * Tr::kRows + r] * exp2f(m_w - m_all);
+      if (m_w != -ATTNFORGE_INFINITY) l_all += ms.l[w * Tr::kRows + r] * fast_exp2(m_w - m_all);
     }
     const QueryRow q = query_row(it, row0 + r, group, kv_head);
     float lse = __int_as_float(0x7fc00000);  // NaN: no LSE without softmax
@@ -204,21 +204,15 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   // plan's longest-first item order is the order its CTAs start in, not one head's items after another's.
   const int linear = blockIdx.x + gridDim.x * blockIdx.y;  // gridDim.y is the KV head count
   const int kv_head = linear % p.num_kv_heads;
-  // The first item is requested before its count is known (p.items is plan.items, in the arguments), so the PlanView
-  // and the item share one memory trip; with the page-list offset beside the request's lengths below, the chain to
-  // the first K/V copy is three trips where it was five. Measured (per-CTA timelines, device/timeline.cuh): the
-  // prologue stayed at 3.4-3.8 us, so its cost is its instructions (about 1,400 to the last copy of tile 0, most of
-  // them the loader's address arithmetic), not the trips.
-  int item_index = linear / p.num_kv_heads;
-  WorkItem first_item{};
-  if (item_index < p.item_capacity) first_item = p.items[item_index];
+  // The page-list offset is loaded beside the request's lengths (below), one memory trip for both. Requesting the
+  // first item and the request arrays' pointers before the item count was known saved two more trips but nothing
+  // measurable (the per-CTA timelines kept the prologue at 3.4-3.8 us: its cost is its instructions, most of them the
+  // loader's), and its registers made the fp8 kernel spill once the loader's whole-tile path was on: not done.
   const int group = p.num_qo_heads / p.num_kv_heads;
   const int row0 = blockIdx.z * Tr::kRows;
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
   const bool transform = !kCustom && (vp.soft_cap > 0.f || vp.alibi_slopes != nullptr);
   const int num_items = plan.num_items;
-  PlanView rows_view{};  // the request arrays item_rows reads, their pointers loaded with the count (the same trip)
-  rows_view.qo_indptr = plan.qo_indptr, rows_view.kv_len = plan.kv_len;
   const bool rope = !kFp8 && !kCustom && vp.rope.enabled != 0;  // a custom variant does its own RoPE
   if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
   // Trace builds (device/timeline.cuh): cycles of the prologue (item to the first copies issued), the first tile's
@@ -228,12 +222,12 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
                long long tl_first = 0, tl_tiles = 0;
                auto tl_lap = [&](int i) { const long long n = cycles(); tl_ph[i] += n - tl_t; tl_t = n; };)
 
-  for (bool first = true; item_index < num_items; item_index += gridDim.x, first = false) {
-    const WorkItem it = first ? first_item : p.items[item_index];
+  for (int item_index = linear / p.num_kv_heads; item_index < num_items; item_index += gridDim.x) {
+    const WorkItem it = plan.items[item_index];
     using Loader = KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes>;
     const int64_t page_list = Loader::page_list_of(kv, it.request);  // in the same trip as item_rows' loads
     ItemRows m;
-    if (!item_rows<Tr::kRows>(rows_view, it, group, row0, m)) continue;
+    if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
     const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
 
     // Q rows -> shared (zeros past `rows`); committed with the first K/V tile (fp8: after the prologue below).
@@ -402,12 +396,14 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
       // Interior tiles (every row allows all 16 tokens, no per-element transform or custom mask) skip the
       // per-element masking; the test is warp-uniform.
       const bool plain = !kCustom && !transform && !vp.custom_mask && tile_start >= max_lo && tile_start + 16 <= min_hi;
+      // Plain tiles keep raw logits: the scale (positive: run() validates sm_scale and k_scale) commutes with the
+      // maximum and folds into the exponent's FMA below; masked tiles hold logits in log2 units already.
+      const float s_mul = plain ? scale_log2 : 1.f;
       if (plain) {
         for (int nt = 0; nt < 2; ++nt)
-          for (int e = 0; e < 4; ++e) {
-            s_acc[nt][e] *= scale_log2;
-            tile_max[e / 2] = fmaxf(tile_max[e / 2], s_acc[nt][e]);
-          }
+          for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s_acc[nt][e]);
+        tile_max[0] *= scale_log2;
+        tile_max[1] *= scale_log2;
       } else {
         for (int nt = 0; nt < 2; ++nt)
           for (int e = 0; e < 4; ++e) {
@@ -436,17 +432,22 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
           }
       }
       if constexpr (kSoftmax) {
-        float corr[2];
+        // fast_exp2 (one MUFU.EX2; exp2f's subnormal range fix-ups were about 60 instructions of every warp's tile).
+        // A row that has seen no allowed key keeps m = -inf and subtracts 0 instead: its logits (-inf) give p = 0,
+        // and its correction stays 1 so that rows with no key at all (past `rows` in a masked tile) never ask for
+        // the rescale below.
+        float corr[2], m_sub[2];
         for (int h = 0; h < 2; ++h) {
           const float m_new = fmaxf(m_run[h], warp_max_quad(tile_max[h]));
-          corr[h] = m_new == -ATTNFORGE_INFINITY ? 1.f : exp2f(m_run[h] - m_new);
+          m_sub[h] = m_new == -ATTNFORGE_INFINITY ? 0.f : m_new;
+          corr[h] = m_new == -ATTNFORGE_INFINITY ? 1.f : fast_exp2(m_run[h] - m_new);
           m_run[h] = m_new;
           l_run[h] *= corr[h];
         }
         for (int nt = 0; nt < 2; ++nt)
           for (int e = 0; e < 4; ++e) {
             const int h = e / 2;
-            const float pr = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(s_acc[nt][e] - m_run[h]);
+            const float pr = fast_exp2(fmaf(s_acc[nt][e], s_mul, -m_sub[h]));
             s_acc[nt][e] = pr;
             l_run[h] += pr;
           }
@@ -508,7 +509,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     ATTNFORGE_TL(tl_lap(3);)
     for (int h = 0; h < 2; ++h) {
       const int r = lane / 4 + 8 * h;
-      const float f = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : exp2f(m_run[h] - ms.row_max(r));
+      const float f = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : fast_exp2(m_run[h] - ms.row_max(r));
       for (int n = 0; n < D / 8; ++n)
         for (int e = 0; e < 2; ++e) {
           // Column 2 (lane % 4) + e of n8 tile n; fp8 tiles hold the even or odd dims of 16-dim block n / 2.

@@ -316,25 +316,28 @@ struct KVTileLoader {
     const uint32_t k_token_bytes = static_cast<uint32_t>(kv.k_stride_token * kElemBytes);
     const uint32_t v_page_bytes = static_cast<uint32_t>(kv.v_stride_page * kElemBytes);
     const uint32_t v_token_bytes = static_cast<uint32_t>(kv.v_stride_token * kElemBytes);
-    if constexpr (kPageSlots == 0 && !kPanels && kRowGroups % 8 == 0 && kElemBytes == 2) {
+    if constexpr (kPageSlots == 0 && !kPanels && kRowGroups % 8 == 0) {
       // A whole tile of a paged cache with power-of-two pages (the common case; the decode kernel's every tile but
       // an item's last): no row is past `last`, a row's slot is a mask, and this thread's rows r0 + i kRowGroups
       // keep r0's swizzle, so a row's destination is the first one's plus an immediate. A row costs its slot, two
       // multiply-adds a copy and the copies: about 17 instructions (sm_90a SASS), where the general path below took
-      // about 35 (validity, the slot's modulo branch, the invalid row's fallback address). 16-bit K/V only: in
-      // the fp8 kernel with bf16 Q at head_dim 128 it made ptxas spill 4 bytes at the 168-register cap.
+      // about 35 (validity, the slot's modulo branch, the invalid row's fallback address). Where K and V have the
+      // same strides (the usual cache), V's address is K's plus the distance between the two bases.
       if (first + (t + 1) * kTileTokens <= last && page_pow2 && kv.format != KVFormat::kRagged) {
         const int r0 = static_cast<int>(threadIdx.x) / kChunks;
         const int dst0 = swizzle_bytes<kRowBytes>(r0, chunk);
         const uint32_t token0 = static_cast<uint32_t>(first + t * kTileTokens + r0);
         const uint32_t slot_mask = static_cast<uint32_t>(kv.page_size - 1);
+        const bool same = k_page_bytes == v_page_bytes && k_token_bytes == v_token_bytes;  // K and V alike
+        const int64_t v_minus_k = v_base - k_base;
         #pragma unroll
         for (int k = 0; k < kLoadRows; ++k) {
           const uint32_t slot = (token0 + k * kRowGroups) & slot_mask, page = static_cast<uint32_t>(pages[k]);
           const uint8_t* ksrc =
               k_base + (static_cast<uint64_t>(page) * k_page_bytes + static_cast<uint64_t>(slot) * k_token_bytes);
           const uint8_t* vsrc =
-              v_base + (static_cast<uint64_t>(page) * v_page_bytes + static_cast<uint64_t>(slot) * v_token_bytes);
+              same ? ksrc + v_minus_k
+                   : v_base + (static_cast<uint64_t>(page) * v_page_bytes + static_cast<uint64_t>(slot) * v_token_bytes);
           const int dst = dst0 + k * kRowGroups * kRowBytes;
           cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, 16);
           cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc, 16);
