@@ -35,7 +35,7 @@ def read_steps(path):
             else:
                 steps.append((cur, pending_merge))
                 pending_merge = None
-        elif w[0] == "timeline" and cur is not None and len(w) == 15:
+        elif w[0] == "timeline" and cur is not None and len(w) in (15, 19):  # 12 fields, or 16 since session 16
             cur.append([int(x) for x in w[3:]])
     return steps
 
@@ -55,6 +55,9 @@ def describe(decode, merge):
     out.append(f"  start        {fmt([r[0] - t0 for r in decode])} us")
     cy = 1e-3 / ghz  # cycles -> us
     out.append(f"  prologue     {fmt([r[2] for r in decode], cy)} us (item to the first copies issued)")
+    if all(len(r) >= 16 for r in decode):  # the first item's steps, cumulative from the CTA's start
+        for name, i in (("item rows", 11), ("row ranges", 12), ("tile 0 out", 13), ("staged", 14)):
+            out.append(f"    {name:<10} {fmt([r[i] for r in decode], cy)} us from the start")
     out.append(f"  first tile   {fmt([r[3] for r in decode], cy)} us (issued to landed)")
     out.append(f"  landed at    {fmt([r[9] - t0 for r in decode if r[9]])} us")
     per_tile = [r[4] / max(1, (r[10] & 0xFFFFFFFF) - 1) for r in decode if (r[10] & 0xFFFFFFFF) > 1]

@@ -219,7 +219,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   // wait, the rest of the loop, and the finish's steps (row states stashed, O spread, rows written, last barrier),
   // summed over the CTA's items; the global time tile 0 landed.
   ATTNFORGE_TL(const long long tl_start = global_ns(); long long tl_t = cycles(), tl_ph[7] = {0, 0, 0, 0, 0, 0, 0};
-               long long tl_first = 0, tl_tiles = 0;
+               long long tl_first = 0, tl_tiles = 0, tl_pro[4] = {0, 0, 0, 0}; bool tl_one = true;
                auto tl_lap = [&](int i) { const long long n = cycles(); tl_ph[i] += n - tl_t; tl_t = n; };)
 
   for (int item_index = linear / p.num_kv_heads; item_index < num_items; item_index += gridDim.x) {
@@ -230,7 +230,9 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
     const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
 
-    // Q rows -> shared (zeros past `rows`); committed with the first K/V tile (fp8: after the prologue below).
+    ATTNFORGE_TL(if (tl_one) tl_pro[0] = cycles() - tl_t;)
+    // Q rows -> shared (zeros past `rows`); committed with the first K/V tile (fp8: after the prologue below). Issued
+    // before the K/V copies: after them, the 1 x 2048 step (one CTA an SM) lost 0.2-0.5 us as a graph (H200, d2a8d43).
     if constexpr (!kFp8) load_query_rows<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);
 
     // The two rows this thread holds in the mma fragments: lane / 4 and lane / 4 + 8.
@@ -259,6 +261,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     }
     const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + Tr::kTileTokens - 1) / Tr::kTileTokens : 0;
 
+    ATTNFORGE_TL(if (tl_one) tl_pro[1] = cycles() - tl_t;)
     Loader loader(kv, page_list, kv_head, range_lo, range_hi);
     auto load_tile = [&](int t, int s) {
       loader.load(t, sK + s * Tr::kTileBytes, sV + s * Tr::kTileBytes);
@@ -276,10 +279,11 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
         fetch_pages(s);
         load_tile(s, s);
       }
+      ATTNFORGE_TL(if (tl_one && s == 0) tl_pro[2] = cycles() - tl_t;)
       cp_async_commit();
     }
     if (Tr::kStages - 1 < num_tiles) fetch_pages(Tr::kStages - 1);
-    ATTNFORGE_TL(tl_lap(0); tl_tiles += num_tiles;)
+    ATTNFORGE_TL(if (tl_one) tl_pro[3] = cycles() - tl_t; tl_one = false; tl_lap(0); tl_tiles += num_tiles;)
     // fp8: Q through registers, its global latency behind the K/V copies already in flight; the main loop's first
     // barrier publishes the stores.
     if constexpr (kFp8)
@@ -532,6 +536,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     f[0] = tl_start, f[1] = global_ns();
     for (int i = 0; i < 7; ++i) f[2 + i] = tl_ph[i];
     f[9] = tl_first, f[10] = (sm_id() << 32) | tl_tiles;
+    for (int i = 0; i < 4; ++i) f[11 + i] = tl_pro[i];
   })
 }
 

@@ -15,9 +15,9 @@
 
 namespace attnforge::cuda {
 
-constexpr int kTimelineSlots = 4096, kTimelineFields = 12;
-// Fields: 0 global ns at the start, 1 global ns at the end, 2..9 what the kernel says (clock cycles of its phases,
-// or global times), 10 (SM << 32) | count (items or tiles), 11 unused.
+constexpr int kTimelineSlots = 4096, kTimelineFields = 16;
+// Fields: 0 global ns at the start, 1 global ns at the end, 2..9 and 11..15 what the kernel says (clock cycles of
+// its phases, or global times), 10 (SM << 32) | count (items or tiles).
 static __device__ long long timeline[kTimelineSlots][kTimelineFields];
 
 __device__ __forceinline__ long long global_ns() {
@@ -46,7 +46,7 @@ __device__ __forceinline__ long long* timeline_slot() {
   return linear < kTimelineSlots ? timeline[linear] : nullptr;
 }
 
-// Waits for the stream, prints every used slot as "timeline KERNEL slot f0 .. f11" and clears them. Not while the
+// Waits for the stream, prints every used slot as "timeline KERNEL slot f0 .. f15" and clears them. Not while the
 // stream is being captured. Per translation unit, like `timeline` (unused in the ones that only record).
 [[maybe_unused]] static void print_timeline(const char* kernel, cudaStream_t stream) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
