@@ -94,7 +94,8 @@ std::string CaseSpec::describe() const {
                      to_string(format), to_string(layout), lens(qo_lens), lens(kv_lens), num_qo_heads, num_kv_heads,
                      head_dim_qk, head_dim_vo ? head_dim_vo : head_dim_qk, page_size, to_string(q_dtype),
                      to_string(kv_dtype), to_string(o_dtype), combined_kv ? " combined-kv" : "",
-                     padded_strides ? " padded" : "", plan.deterministic ? " deterministic" : "", opts, seed);
+                     padded_strides ? " padded" : (padded_v_only ? " padded-v" : ""),
+                     plan.deterministic ? " deterministic" : "", opts, seed);
 }
 
 void PrintTo(const CaseSpec& spec, std::ostream* os) { *os << spec.describe(); }
@@ -218,23 +219,23 @@ Case make_case(const CaseSpec& spec) {
     std::vector<int32_t> perm(num_pages);
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
-    // Page layout: [ps, Hk, d] (NHD) or [Hk, ps, d] (HND), rows padded by `pad`.
+    // Page layout: [ps, Hk, d] (NHD) or [Hk, ps, d] (HND), rows padded by `pad` (V's by 8 with padded_v_only).
     const bool nhd = s.layout == KVLayout::kNHD;
-    auto page_dims = [&](int32_t d, int64_t* page_elems, int64_t* tok_stride, int64_t* head_stride) {
-      const int64_t row = d + pad;
+    auto page_dims = [&](int32_t d, int32_t row_pad, int64_t* page_elems, int64_t* tok_stride, int64_t* head_stride) {
+      const int64_t row = d + row_pad;
       if (nhd) {
         *head_stride = row;
-        *tok_stride = Hk * row + pad;
-        *page_elems = ps * *tok_stride + pad;
+        *tok_stride = Hk * row + row_pad;
+        *page_elems = ps * *tok_stride + row_pad;
       } else {
         *tok_stride = row;
-        *head_stride = ps * row + pad;
-        *page_elems = Hk * *head_stride + pad;
+        *head_stride = ps * row + row_pad;
+        *page_elems = Hk * *head_stride + row_pad;
       }
     };
     int64_t kpe, kts, khs, vpe, vts, vhs;
-    page_dims(dqk, &kpe, &kts, &khs);
-    page_dims(dvo, &vpe, &vts, &vhs);
+    page_dims(dqk, pad, &kpe, &kts, &khs);
+    page_dims(dvo, s.padded_v_only ? 8 : pad, &vpe, &vts, &vhs);
     const bool combined = s.combined_kv && dqk == dvo;
     c.kv = Buffer::make(s.kv_dtype, static_cast<size_t>(std::max<int64_t>(1, num_pages * (kpe + vpe))));
     fill_nan(c.kv);

@@ -45,6 +45,7 @@ struct CaseSpec {
   int32_t spare_pages = 3;
   bool combined_kv = false;   // K and V as two views of one [pages, 2, ...] buffer (needs equal head dims)
   bool padded_strides = false;  // heads and tokens padded apart, so no view is contiguous
+  bool padded_v_only = false;  // paged K/V: only V's heads and tokens padded apart, so K and V have different strides
   OptionSpec options;
   PlanOptions plan;
   uint64_t seed = 1;

@@ -51,6 +51,9 @@ std::vector<CaseSpec> registry_cases(bool quick) {
   v.push_back(with(decode({65, 300}), [](CaseSpec& s) { s.q_dtype = DType::kFloat16, s.o_dtype = DType::kFloat32; }));
   v.push_back(with(decode({300, 17}), [](CaseSpec& s) { s.combined_kv = true, s.padded_strides = true; }));
   v.push_back(with(decode({300, 17}), [](CaseSpec& s) { s.padded_strides = true, s.layout = KVLayout::kHND; }));
+  // K and V with different strides (V padded, K not): the CUDA loader's whole-tile path takes V's own address then.
+  v.push_back(with(decode({300, 17}), [](CaseSpec& s) { s.padded_v_only = true; }));
+  v.push_back(with(decode({300, 17}), [](CaseSpec& s) { s.padded_v_only = true, s.layout = KVLayout::kHND; }));
   v.push_back(with(decode({130, 9}), [](CaseSpec& s) { s.head_dim_qk = 96, s.head_dim_vo = 64; }));
   v.push_back(with(decode({70}), [](CaseSpec& s) { s.head_dim_qk = 256; }));
   v.push_back(with(decode({40}), [](CaseSpec& s) { s.head_dim_qk = 512, s.num_qo_heads = 4; }));
