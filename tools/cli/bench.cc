@@ -189,6 +189,10 @@ int run_bench(const BenchOptions& options) {
 #endif
   }
   const std::string device_name = to_string(device.device);
+  if (options.warm_code)
+    throw std::runtime_error(fmt::format("--warm-code: measures instruction fetches of GPU kernels; device {} is not "
+                                         "a GPU (expected --device cuda:N)",
+                                         device_name));
   const SuiteSize& z = options.quick ? kQuickSuite : kFullSuite;
   const int32_t iters = options.iters > 0 ? options.iters : z.iters;
   std::vector<BenchCase> suite = serving_suite(z);

@@ -56,6 +56,49 @@ struct GpuBenchCase {
   std::string name;
   testing::CaseSpec spec;
   bool graph = false;  // also time a CUDA graph replay (small, launch-bound cases)
+  bool warm_code = false;  // --warm-code: a small run of the same kernels before every timed call
+};
+
+// One run() of a case copy on the device with its plan and workspace.
+void run_case(const AttentionPlan& plan, const testing::DeviceCase& d, KVFormat format, const Workspace& w,
+              cudaStream_t stream) {
+  if (format == KVFormat::kRagged)
+    run(plan, d.q, d.ragged, Outputs{d.out, d.lse}, d.options, w, stream);
+  else
+    run(plan, d.q, d.paged, Outputs{d.out, d.lse}, d.options, w, stream);
+}
+
+// --warm-code: a problem of the case's shape (heads, dims, dtypes, layout, options) cut down to one request of 256
+// KV tokens and at most 128 query tokens, planned like the case (decode splits it in two, so the merge kernel runs
+// too: its warp-per-row form, which serves merges of up to 32 states). Run and waited for before each timed call,
+// it leaves the kernels' code in the L2 (and in the instruction caches of the SMs its CTAs ran on) but not the
+// case's K/V, plan or Q: the difference from the plain figure is what fetching the code from DRAM costs a call.
+struct WarmCodeRun {
+  std::unique_ptr<testing::Case> host;
+  std::unique_ptr<testing::DeviceCase> dev;
+  AttentionPlan plan;
+  std::unique_ptr<DeviceBuffer> ws;
+  std::unique_ptr<PinnedBuffer> staging;
+
+  WarmCodeRun(const testing::CaseSpec& spec, int device, cudaStream_t stream) {
+    testing::CaseSpec s = spec;
+    const int32_t qo = std::min(s.qo_lens.empty() ? 1 : s.qo_lens[0], 128);
+    s.qo_lens = {qo};
+    s.kv_lens = {std::max(256, qo)};
+    s.seed += 1000;
+    host = std::make_unique<testing::Case>(testing::make_case(s));
+    dev = std::make_unique<testing::DeviceCase>(*host, device);
+    BatchPlanArgs args = host->plan_args();
+    args.device = Device::cuda(device);
+    plan = s.kind == PlanKind::kPrefill ? plan_batch_prefill(args) : plan_batch_decode(args);
+    ws = std::make_unique<DeviceBuffer>(plan.workspace_bytes);
+    staging = std::make_unique<PinnedBuffer>(plan.staging_bytes);
+    upload_plan(plan, Workspace{ws->ptr, plan.workspace_bytes}, staging->ptr, plan.staging_bytes, stream);
+  }
+  void run_and_wait(KVFormat format, cudaStream_t stream) const {
+    run_case(plan, *dev, format, Workspace{ws->ptr, plan.workspace_bytes}, stream);
+    check(cudaStreamSynchronize(stream), "--warm-code run");
+  }
 };
 
 testing::CaseSpec gpu_decode(int32_t batch, int32_t kv_len, int32_t page_size = 16, int32_t qo = 1) {
@@ -250,13 +293,9 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
   cudaStream_t stream;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   upload_plan(plan, w, staging.ptr, plan.staging_bytes, stream);
-  auto launch = [&](int32_t i) {
-    const testing::DeviceCase& d = *devs[i % copies];
-    if (bc.spec.format == KVFormat::kRagged)
-      run(plan, d.q, d.ragged, Outputs{d.out, d.lse}, d.options, w, stream);
-    else
-      run(plan, d.q, d.paged, Outputs{d.out, d.lse}, d.options, w, stream);
-  };
+  auto launch = [&](int32_t i) { run_case(plan, *devs[i % copies], bc.spec.format, w, stream); };
+  const std::unique_ptr<WarmCodeRun> warm = bc.warm_code ? std::make_unique<WarmCodeRun>(bc.spec, device, stream)
+                                                         : nullptr;
 
   const std::vector<int64_t> rows = sampled_rows(hosts[0]->total_qo());
   auto run_and_check = [&](const char* build) {
@@ -277,6 +316,7 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
     for (int32_t i = 0; i < std::max(5, copies); ++i) call(i);
     std::vector<double> us;
     for (int32_t i = 0; i < iters; ++i) {
+      if (warm) warm->run_and_wait(bc.spec.format, stream);
       cudaEventRecord(e0, stream);
       call(i);
       cudaEventRecord(e1, stream);
@@ -287,7 +327,8 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
     }
     return median(us);
   };
-  GpuResult r{bc.name, bc.spec, time_calls(launch), 0, kv_bytes, attention_flops(bc.spec), 0, iters, plan.describe()};
+  GpuResult r{bc.warm_code ? bc.name + " warm-code" : bc.name, bc.spec, time_calls(launch), 0, kv_bytes,
+              attention_flops(bc.spec), 0, iters, plan.describe()};
   if (compare_nvrtc) {
     auto use = [](jit::CudaKernels k) { jit::set_cuda_kernels(k); };
     use(jit::CudaKernels::kNvrtc);
@@ -577,7 +618,12 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
   if (options.suite == "all" || options.suite == "decode") suite = gpu_suite(options.quick);
   if (options.suite == "all" || options.suite == "prefill")
     for (GpuBenchCase& c : gpu_prefill_suite(options.quick)) suite.push_back(std::move(c));
-  if (options.suite == "long") return run_long_bench(options, device);
+  if (options.suite == "long") {
+    if (options.warm_code)
+      throw std::runtime_error("--warm-code: not for --suite long (its steps are timed as graphs of several calls); "
+                               "expected --suite all, decode or prefill");
+    return run_long_bench(options, device);
+  }
   if (suite.empty())
     throw std::runtime_error(fmt::format("--suite {}: expected one of {{all, decode, prefill, long}}", options.suite));
   if (!options.case_filter.empty()) {
@@ -589,6 +635,7 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
   for (GpuBenchCase& c : suite) {
     if (options.workers > 0) c.spec.plan.num_workers = options.workers;
     if (options.tile_rows > 0) c.spec.plan.tile_rows = options.tile_rows;
+    c.warm_code = options.warm_code;
   }
   const size_t steps = suite.size() + 2;
   fmt::print(stderr, "[1/{}] ceiling: device-to-device copy ...\n", steps);

@@ -23,6 +23,7 @@ struct BenchOptions {
   int32_t gpus = 0;            // suite long: the most GPUs to split over (0: every visible one, at most 8)
   int32_t workers = 0;         // PlanOptions::num_workers of every case (0: the device's); a tuning knob
   int32_t tile_rows = 0;       // PlanOptions::tile_rows of every prefill case (0: the planner's choice)
+  bool warm_code = false;      // GPU: a small run of the same kernels before every timed call (a measuring knob)
 };
 
 struct WarmupCommandOptions {

@@ -42,6 +42,10 @@ int main(int argc, char** argv) {
                         "Plan every prefill case with query tiles of this many packed rows (PlanOptions::tile_rows; "
                         "default: the planner's choice from the batch shape); values the device lacks are refused")
       ->check(CLI::Range(1, 1 << 20));
+  bench_cmd->add_flag("--warm-code", bench.warm_code,
+                      "GPU only, a measuring knob: before every timed call, run the same kernels on a small problem "
+                      "of the case's shape and wait for it, so the call finds their code in the L2 but not its own "
+                      "inputs; the cases are named with ' warm-code'");
   bench_cmd->add_option("--iters", bench.iters, "Timed runs per case (default: 20, or 5 with --quick)")
       ->check(CLI::Range(1, 1000000));
 
