@@ -82,7 +82,7 @@ struct WarmCodeRun {
 
   WarmCodeRun(const testing::CaseSpec& spec, int device, cudaStream_t stream) {
     testing::CaseSpec s = spec;
-    const int32_t qo = std::min(s.qo_lens.empty() ? 1 : s.qo_lens[0], 128);
+    const int32_t qo = std::clamp(s.qo_lens.empty() ? 1 : s.qo_lens[0], 1, 128);
     s.qo_lens = {qo};
     s.kv_lens = {std::max(256, qo)};
     s.seed += 1000;
