@@ -101,9 +101,18 @@ KVParams paged_kv_params(const PagedKVCache& kv) {
   return p;
 }
 
+PlanLayout plan_layout(int64_t batch, int64_t item_capacity, int64_t merge_capacity) {
+  PlanLayout l{};
+  l.qo_indptr = align256(sizeof(PlanView));
+  l.kv_len = l.qo_indptr + align256((batch + 1) * sizeof(int32_t));
+  l.items = l.kv_len + align256(batch * sizeof(int32_t));
+  l.merges = l.items + align256(item_capacity * sizeof(WorkItem));
+  l.end = l.merges + align256(merge_capacity * sizeof(MergeItem));
+  return l;
+}
+
 size_t plan_metadata_bytes(int64_t batch, int64_t item_capacity, int64_t merge_capacity) {
-  return align256(sizeof(PlanView)) + align256((batch + 1) * sizeof(int32_t)) + align256(batch * sizeof(int32_t)) +
-         align256(item_capacity * sizeof(WorkItem)) + align256(merge_capacity * sizeof(MergeItem));
+  return plan_layout(batch, item_capacity, merge_capacity).end;
 }
 
 }  // namespace attnforge::detail

@@ -21,8 +21,13 @@ void check_indptr(std::span<const int32_t> indptr, const char* name);
 uint64_t batch_fingerprint(KVFormat format, int32_t page_size, std::span<const int32_t> kv_len);
 // Bytes of partial (o, lse) state for `rows` rows, each 256-byte aligned region.
 size_t partial_state_bytes(int64_t rows, const AttentionShape& s);
-// Bytes of the plan metadata a device backend keeps at the start of the workspace (PlanView, qo_indptr, kv_len,
-// items, merges; each region 256-byte aligned).
+// Where a device backend keeps the plan metadata at the start of the workspace: byte offsets of the regions after
+// the PlanView (at 0), each 256-byte aligned and sized by the batch and the plan's capacities, and their end.
+struct PlanLayout {
+  size_t qo_indptr, kv_len, items, merges, end;
+};
+PlanLayout plan_layout(int64_t batch, int64_t item_capacity, int64_t merge_capacity);
+// Bytes of that metadata (plan_layout's end).
 size_t plan_metadata_bytes(int64_t batch, int64_t item_capacity, int64_t merge_capacity);
 
 // K/V pointers, dtype, format, page size, heads, strides (by layout) and scales of a paged cache whose views

@@ -274,21 +274,6 @@ void check_workspace(const AttentionPlan& plan, const Workspace& ws) {
     fail(ErrorKind::kWorkspace, "workspace: address {} is not 256-byte aligned", ws.data);
 }
 
-// Where upload_plan places the plan's arrays in device memory, as byte offsets from the workspace's start (the
-// PlanView itself sits at offset 0). Fixed for a batch size and the plan's capacities, like the launch sizes.
-struct PlanLayout {
-  size_t qo_indptr, kv_len, items, merges;
-};
-PlanLayout plan_layout(const AttentionPlan& plan) {
-  const size_t batch = static_cast<size_t>(plan.batch_size);
-  PlanLayout l{};
-  l.qo_indptr = detail::align256(sizeof(PlanView));
-  l.kv_len = l.qo_indptr + detail::align256((batch + 1) * sizeof(int32_t));
-  l.items = l.kv_len + detail::align256(batch * sizeof(int32_t));
-  l.merges = l.items + detail::align256(plan.item_capacity * sizeof(WorkItem));
-  return l;
-}
-
 // The kernels' view of a plan whose workspace starts at `base`: counts and the partial-state regions, which
 // follow the metadata. Metadata pointers are filled by the caller (host or device addresses).
 PlanView plan_view(const AttentionPlan& plan, void* base) {
@@ -505,7 +490,7 @@ void upload_plan(AttentionPlan& plan, const Workspace& workspace, void* host_sta
     char* stage = static_cast<char*>(host_staging);
     char* base = static_cast<char*>(workspace.data);
     PlanView v = plan_view(plan, workspace.data);
-    const PlanLayout l = plan_layout(plan);
+    const detail::PlanLayout l = detail::plan_layout(plan.batch_size, plan.item_capacity, plan.merge_capacity);
     auto place = [&](const auto& values, size_t off) {
       std::memcpy(stage + off, values.data(), values.size() * sizeof(values[0]));
       return reinterpret_cast<decltype(values.data())>(base + off);
