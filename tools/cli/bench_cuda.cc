@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -195,7 +196,8 @@ struct GpuResult {
   // graph_us: one call captured in a graph, replayed alone after the previous one finished (the host's launch of
   // the graph included); chain_us: `copies` calls captured in one graph, replayed whole, over the calls (a serving
   // engine's step, whose graph holds every layer's call: one launch for all of them).
-  double median_us = 0, graph_us = 0, chain_us = 0, bytes = 0, flops = 0;
+  // host_us: the host's time in one run() call (validation, launches), the median of the plain calls.
+  double median_us = 0, graph_us = 0, chain_us = 0, host_us = 0, bytes = 0, flops = 0;
   double nvrtc_us = 0;  // with compare_nvrtc: the same launches with the NVRTC-compiled kernels
   int32_t iters = 0;
   std::string plan;
@@ -316,23 +318,28 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
 
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0), cudaEventCreate(&e1);
+  double host_us = 0;  // the last time_calls' median host time of a call
   auto time_calls = [&](auto&& call) {
     for (int32_t i = 0; i < std::max(5, copies); ++i) call(i);
-    std::vector<double> us;
+    std::vector<double> us, host;
     for (int32_t i = 0; i < iters; ++i) {
       if (warm) warm->run_and_wait(bc.spec.format, stream);
       cudaEventRecord(e0, stream);
+      const auto h0 = std::chrono::steady_clock::now();
       call(i);
+      host.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
       cudaEventRecord(e1, stream);
       check(cudaEventSynchronize(e1), "timed run");
       float ms = 0;
       cudaEventElapsedTime(&ms, e0, e1);
       us.push_back(ms * 1e3);
     }
+    host_us = median(host);
     return median(us);
   };
-  GpuResult r{bc.warm_code ? bc.name + " warm-code" : bc.name, bc.spec, time_calls(launch), 0, 0, kv_bytes,
+  GpuResult r{bc.warm_code ? bc.name + " warm-code" : bc.name, bc.spec, time_calls(launch), 0, 0, 0, kv_bytes,
               attention_flops(bc.spec), 0, iters, plan.describe()};
+  r.host_us = host_us;
   if (compare_nvrtc) {
     auto use = [](jit::CudaKernels k) { jit::set_cuda_kernels(k); };
     use(jit::CudaKernels::kNvrtc);
@@ -373,8 +380,8 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cudaStreamDestroy(stream);
   if (compare_nvrtc) fmt::print(stderr, "{} {}: NVRTC-compiled kernels {:.1f} us\n", progress, bc.name, r.nvrtc_us);
-  fmt::print(stderr, "{} {}: checked ({} rows); median {:.1f} us{}, {:.2f} TB/s, {:.1f} TFLOP/s; {}\n", progress,
-             bc.name, rows.empty() ? hosts[0]->total_qo() : static_cast<int64_t>(rows.size()), r.median_us,
+  fmt::print(stderr, "{} {}: checked ({} rows); median {:.1f} us (host {:.1f} us in run()){}, {:.2f} TB/s, {:.1f} TFLOP/s; {}\n", progress,
+             bc.name, rows.empty() ? hosts[0]->total_qo() : static_cast<int64_t>(rows.size()), r.median_us, r.host_us,
              r.graph_us > 0 ? fmt::format(" ({:.1f} us as a graph, {:.1f} us a call in a graph of many)", r.graph_us,
                                           r.chain_us)
                             : "",
@@ -719,6 +726,7 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
       j["bytes"] = r.bytes, j["iters"] = r.iters, j["commit"] = git_commit();
       if (r.graph_us > 0) j["graph_us"] = r.graph_us;
       if (r.chain_us > 0) j["chain_us"] = r.chain_us;
+      j["host_us"] = r.host_us;
       j["detail"] = r.spec.describe() + "; " + r.plan;
       if (prefill) j["prefill_kernels"] = prefill_kernels;
       j["shape"] = {{"kv_lens", r.spec.kv_lens}, {"qo_lens", r.spec.qo_lens}, {"qo_len", r.spec.qo_lens[0]},

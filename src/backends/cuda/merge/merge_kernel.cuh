@@ -37,11 +37,9 @@ struct WarpState {
 };
 
 // Adds the states first, first + stride, first + 2 stride, ... of merge `mi`'s row `tok` to the warp's state, 32 at
-// a time: lane i holds the LSE and weight of the i-th, and every lane loads its O slices of kBatch states at once.
-// The first batch's slices are loaded with the LSEs, not after them (one L2 trip per 32 states where kBatch covers
-// them: every merge of up to 8 states a warp at head_dim 128); an empty state's slices are loaded too (its partial
-// row is in the workspace whatever it holds) and dropped by a select, never multiplied, so a NaN there cannot reach
-// O. `first_row`: the first state's partial row, read before the wait for the attention grid.
+// a time: lane i holds the LSE and weight of the i-th, and every lane loads its O slices of kBatch states at once
+// (two dependent L2 trips per 32 states: the LSEs, then the slices). `first_row`: the first state's partial row,
+// read before the wait for the attention grid.
 template <int kPairs>
 __device__ __forceinline__ void warp_accumulate(const AttentionParams& p, const PlanView& plan, const MergeItem& mi,
                                                 int tok, int first, int stride, int first_row, int h,
@@ -56,21 +54,6 @@ __device__ __forceinline__ void warp_accumulate(const AttentionParams& p, const 
     const int k = base + stride * lane;
     int row = -1;
     if (k < mi.num_items) row = (base == first ? first_row : items[k].partial_row) + row_offset;
-    const int count = min(32, (mi.num_items - base + stride - 1) / stride);
-    float2 v[kBatch][kPairs];
-    auto load_batch = [&](int i0) {
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int r = __shfl_sync(0xffffffffu, row, (i0 + u) & 31);
-        if (i0 + u < count) {
-          const float2* src =
-              reinterpret_cast<const float2*>(plan.partial_o + (static_cast<int64_t>(r) * heads + h) * dvo) + lane;
-#pragma unroll
-          for (int j = 0; j < kPairs; ++j) v[u][j] = src[32 * j];
-        }
-      }
-    };
-    load_batch(0);
     const float lse = row >= 0 ? plan.partial_lse[static_cast<int64_t>(row) * heads + h] : -ATTNFORGE_INFINITY;
     float chunk_max = lse;
     for (int o = 16; o > 0; o >>= 1) chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, o));
@@ -82,18 +65,30 @@ __device__ __forceinline__ void warp_accumulate(const AttentionParams& p, const 
     st.m = m_new;
     const float w = lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - st.m);
     st.l += w;
-#pragma unroll 1
-    for (int i0 = 0;;) {
+    const int count = min(32, (mi.num_items - base + stride - 1) / stride);
+    for (int i0 = 0; i0 < count; i0 += kBatch) {
+      float2 v[kBatch][kPairs];
+      float wb[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        const float wb = __shfl_sync(0xffffffffu, w, (i0 + u) & 31);
-        if (i0 + u < count && wb != 0.f)  // an empty state's slices (and states past count) add nothing
+        const int i = i0 + u;
+        wb[u] = __shfl_sync(0xffffffffu, w, i & 31);
+        const int r = __shfl_sync(0xffffffffu, row, i & 31);
+        if (i < count && wb[u] != 0.f) {  // an empty state's O is never read
+          const float2* src =
+              reinterpret_cast<const float2*>(plan.partial_o + (static_cast<int64_t>(r) * heads + h) * dvo) + lane;
 #pragma unroll
-          for (int j = 0; j < kPairs; ++j) st.acc[j].x += wb * v[u][j].x, st.acc[j].y += wb * v[u][j].y;
+          for (int j = 0; j < kPairs; ++j) v[u][j] = src[32 * j];
+        } else {
+          wb[u] = 0.f;
+#pragma unroll
+          for (int j = 0; j < kPairs; ++j) v[u][j] = make_float2(0.f, 0.f);
+        }
       }
-      i0 += kBatch;
-      if (i0 >= count) break;
-      load_batch(i0);
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) st.acc[j].x += wb[u] * v[u][j].x, st.acc[j].y += wb[u] * v[u][j].y;
     }
   }
   for (int o = 16; o > 0; o >>= 1) st.l += __shfl_xor_sync(0xffffffffu, st.l, o);
