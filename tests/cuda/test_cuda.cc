@@ -840,10 +840,13 @@ __global__ void delayed_copy(unsigned char* d0, const unsigned char* s0, unsigne
   const int32_t* ids = host_ids.ptr<const int32_t>();
   const int64_t num_ids = host_ids.shape[0], num_pages = c.paged.k.shape[0];
   std::vector<bool> used(num_pages, false);
-  for (int64_t i = 0; i < num_ids; ++i) used[ids[i]] = true;
+  for (int64_t i = 0; i < num_ids; ++i)
+    if (ids[i] >= 0) used[ids[i]] = true;  // entries past indptr[batch] are -1
   const int32_t spare = static_cast<int32_t>(std::find(used.begin(), used.end(), false) - used.begin());
   ASSERT_LT(spare, num_pages);
-  const std::vector<int32_t> poisoned_ids(num_ids, spare);
+  std::vector<int32_t> poisoned_ids(ids, ids + num_ids);
+  for (int32_t& id : poisoned_ids)
+    if (id >= 0) id = spare;
   const size_t q_bytes = dev.q.numel() * 2, id_bytes = num_ids * sizeof(int32_t);
   void *real_q = nullptr, *real_ids = nullptr;
   ASSERT_EQ(cudaSuccess, cudaMalloc(&real_q, q_bytes));
@@ -852,7 +855,9 @@ __global__ void delayed_copy(unsigned char* d0, const unsigned char* s0, unsigne
   ASSERT_EQ(cudaSuccess, cudaMemcpy(real_ids, dev.paged.table.indices.data, id_bytes, cudaMemcpyDeviceToDevice));
   cudaStream_t stream;
   ASSERT_EQ(cudaSuccess, cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (int run_index = 0; run_index < 3; ++run_index) {
+  for (int run_index = 0; run_index < 4; ++run_index) {
+    AttentionOptions options = dev.options;
+    options.programmatic_launch = run_index < 3;  // the last run launches plainly
     c.poison_outputs();
     dev.upload_outputs(c);
     ASSERT_EQ(cudaSuccess, cudaMemsetAsync(dev.q.data, 0xff, q_bytes, stream));  // bf16 NaN
@@ -864,11 +869,12 @@ __global__ void delayed_copy(unsigned char* d0, const unsigned char* s0, unsigne
     void* kernel_args[] = {&q_ptr, &real_q, &n0, &ids_ptr, &real_ids, &n1, &ns};
     ATTNFORGE_CU_CHECK(d.cuLaunchKernel(copy, 4, 1, 1, 256, 1, 1, 0, static_cast<CUstream>(stream), kernel_args,
                                         nullptr));
-    run(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, uploaded.w, stream);
+    run(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, options, uploaded.w, stream);
     ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(stream));
     dev.download_outputs(c);
     const Verdict v = check_case(c, {});
-    EXPECT_TRUE(v.ok) << "run " << run_index << ": " << v.message << "\n  plan: " << plan.describe();
+    EXPECT_TRUE(v.ok) << "run " << run_index << " (programmatic_launch " << options.programmatic_launch
+                      << "): " << v.message << "\n  plan: " << plan.describe();
   }
   cudaStreamDestroy(stream);
   cudaFree(real_q), cudaFree(real_ids);

@@ -28,6 +28,7 @@
 #include "attnforge/devices.h"
 #include "attnforge/jit.h"
 #include "backends/cuda/prefill/prefill.h"
+#include "ops/prepare.h"
 #include "bench_common.h"
 #include "commands.h"
 #include "testing/compare.h"
@@ -197,7 +198,8 @@ struct GpuResult {
   // the graph included); chain_us: `copies` calls captured in one graph, replayed whole, over the calls (a serving
   // engine's step, whose graph holds every layer's call: one launch for all of them).
   // host_us: the host's time in one run() call (validation, launches), the median of the plain calls.
-  double median_us = 0, graph_us = 0, chain_us = 0, host_us = 0, bytes = 0, flops = 0;
+  // host_prepare_us: of host_us, run()'s checks and params alone (paged K/V; no launch).
+  double median_us = 0, graph_us = 0, chain_us = 0, host_us = 0, host_prepare_us = 0, bytes = 0, flops = 0;
   double nvrtc_us = 0;  // with compare_nvrtc: the same launches with the NVRTC-compiled kernels
   int32_t iters = 0;
   std::string plan;
@@ -337,9 +339,28 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
     host_us = median(host);
     return median(us);
   };
-  GpuResult r{bc.warm_code ? bc.name + " warm-code" : bc.name, bc.spec, time_calls(launch), 0, 0, 0, kv_bytes,
-              attention_flops(bc.spec), 0, iters, plan.describe()};
+  GpuResult r;
+  r.name = bc.warm_code ? bc.name + " warm-code" : bc.name;
+  r.spec = bc.spec;
+  r.median_us = time_calls(launch);
   r.host_us = host_us;
+  r.bytes = kv_bytes;
+  r.flops = attention_flops(bc.spec);
+  r.iters = iters;
+  r.plan = plan.describe();
+  if (bc.spec.format != KVFormat::kRagged) {
+    const testing::DeviceCase& d = *devs[0];
+    std::vector<double> prep;
+    for (int32_t i = 0; i < 50; ++i) {
+      const auto h0 = std::chrono::steady_clock::now();
+      detail::PreparedRun prepared;
+      const KVParams kv = detail::paged_run_params(plan, d.paged);
+      detail::prepare_run(prepared, plan, d.q, kv, d.paged.k, d.paged.v, d.paged.layout, Outputs{d.out, d.lse},
+                          d.options, w);
+      prep.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
+    }
+    r.host_prepare_us = median(prep);
+  }
   if (compare_nvrtc) {
     auto use = [](jit::CudaKernels k) { jit::set_cuda_kernels(k); };
     use(jit::CudaKernels::kNvrtc);
@@ -380,8 +401,9 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cudaStreamDestroy(stream);
   if (compare_nvrtc) fmt::print(stderr, "{} {}: NVRTC-compiled kernels {:.1f} us\n", progress, bc.name, r.nvrtc_us);
-  fmt::print(stderr, "{} {}: checked ({} rows); median {:.1f} us (host {:.1f} us in run()){}, {:.2f} TB/s, {:.1f} TFLOP/s; {}\n", progress,
+  fmt::print(stderr, "{} {}: checked ({} rows); median {:.1f} us (host {:.1f} us in run(), {:.1f} of them its checks){}, {:.2f} TB/s, {:.1f} TFLOP/s; {}\n", progress,
              bc.name, rows.empty() ? hosts[0]->total_qo() : static_cast<int64_t>(rows.size()), r.median_us, r.host_us,
+             r.host_prepare_us,
              r.graph_us > 0 ? fmt::format(" ({:.1f} us as a graph, {:.1f} us a call in a graph of many)", r.graph_us,
                                           r.chain_us)
                             : "",
@@ -727,6 +749,7 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
       if (r.graph_us > 0) j["graph_us"] = r.graph_us;
       if (r.chain_us > 0) j["chain_us"] = r.chain_us;
       j["host_us"] = r.host_us;
+      if (r.host_prepare_us > 0) j["host_prepare_us"] = r.host_prepare_us;
       j["detail"] = r.spec.describe() + "; " + r.plan;
       if (prefill) j["prefill_kernels"] = prefill_kernels;
       j["shape"] = {{"kv_lens", r.spec.kv_lens}, {"qo_lens", r.spec.qo_lens}, {"qo_len", r.spec.qo_lens[0]},

@@ -143,7 +143,7 @@ void JitKernels::run(const AttentionParams& p, PlanKind kind, cudaStream_t strea
     config.numAttrs = programmatic ? 1 : 0;
     ATTNFORGE_CU_CHECK(d.cuLaunchKernelEx(&config, f, args, nullptr));
   };
-  launch(k.attention, c.attention, !prefill && decode_programmatic_launch());
+  launch(k.attention, c.attention, !prefill && p.programmatic_launch && decode_programmatic_launch());
   if (c.run_merge) launch(k.merge, c.merge, merge_programmatic_launch());
 }
 

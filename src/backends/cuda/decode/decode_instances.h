@@ -38,7 +38,7 @@ void launch_decode(const AttentionParams& p, const KernelDims& dims, cudaStream_
   config.gridDim = dims.grid, config.blockDim = dims.block, config.dynamicSmemBytes = dims.smem_bytes;
   config.stream = stream;
   config.attrs = &attribute;
-  config.numAttrs = decode_programmatic_launch() ? 1 : 0;
+  config.numAttrs = p.programmatic_launch && decode_programmatic_launch() ? 1 : 0;
   ATTNFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, decode_kernel<Tr>, p));
 }
 

@@ -161,9 +161,6 @@ __device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m
   const bool one_warp = merge_one_warp(p);
   // One warp per row: this warp's head (none past the last); else the CTA's head.
   const int h = one_warp ? static_cast<int>(blockIdx.y) * kMergeWarps + warp : static_cast<int>(blockIdx.y);
-  // The next kernel on the stream, where it is a programmatic dependent (the next decode step's kernel), may be
-  // scheduled now: it waits for this grid's end before it reads anything this grid or the caller writes.
-  grid_launch_dependents();
   if (one_warp && h >= p.num_qo_heads) return;  // no barrier in this shape
   // Trace builds (device/timeline.cuh): the global time at the start, past the first wait, and at the end.
   ATTNFORGE_TL(const long long tl_start = global_ns(); long long tl_waited = 0, tl_merges = 0;)
@@ -178,6 +175,9 @@ __device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m
     PlanView states{};
     states.items = plan.items, states.partial_o = plan.partial_o, states.partial_lse = plan.partial_lse;
     grid_dependency_wait();
+    // The next kernel on the stream, where it is a programmatic dependent (the next decode call's kernel), may be
+    // scheduled now: it waits for this grid's end before it reads anything this grid or the caller writes.
+    grid_launch_dependents();
     ATTNFORGE_TL(if (tl_waited == 0) tl_waited = global_ns();)
     for (int tok = mi.qo_begin + static_cast<int>(blockIdx.z); tok < mi.qo_end; tok += gridDim.z) {
       if (one_warp)
