@@ -41,6 +41,11 @@ struct AttentionOptions {
   TensorView sinks;             // optional float32 [num_qo_heads]
   CustomMask custom_mask;       // optional
   RopeOptions rope;
+  // CUDA, compute capability 9.0+: the decode kernel is launched as a programmatic dependent of the kernel before it
+  // on the stream, so its CTAs can be scheduled during that kernel's last moments; it reads the plan's metadata first
+  // and Q, the page table, K/V and option tensors only after that kernel has finished (griddepcontrol.wait). false:
+  // a plain launch. ATTNFORGE_DECODE_PDL=0 turns it off for the whole process. Ignored elsewhere.
+  bool programmatic_launch = true;
 };
 
 }  // namespace attnforge

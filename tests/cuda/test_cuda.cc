@@ -783,6 +783,104 @@ TEST(CudaWgmma, PlansBalanceOverTheKernelThatRunsTheirTiles) {
 
 // Runs of one uploaded plan on one workspace, one after another, must each be right and bit-identical: nothing a
 // run leaves in the workspace (partial states, metadata) may leak into the next.
+// Programmatic launch (sm_90+, decode_programmatic_launch): the decode kernel's CTAs may be scheduled while the
+// kernel before it on the stream runs, and must read what the caller gives only after griddepcontrol.wait. The kernel
+// before it here lets its dependents launch at once, spins for 100 us, then writes Q and the page table; until
+// then Q is NaN and every page id names a NaN-filled spare page, so a read before the wait reaches the output.
+// Split KV (merges) and a request with one page cover both kernels.
+TEST(CudaProgrammaticLaunch, DecodeReadsInputsAfterTheKernelBefore) {
+  int device = 0, major = 0;
+  ASSERT_EQ(cudaSuccess, cudaGetDevice(&device));
+  ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major < 9) GTEST_SKIP() << "programmatic dependent launch needs sm_90";
+  ASSERT_EQ(cudaSuccess, cudaFree(nullptr));  // the primary context, current for the driver calls below
+  jit::KernelSource src;
+  src.name = "delayed_copy_sm90a";
+  src.arch = "sm_90a";
+  src.entry_points = {"&delayed_copy"};
+  src.source = R"(#include "backends/cuda/device/ptx.cuh"
+// Lets the next kernel launch, waits `ns` of global time, then copies two byte ranges.
+__global__ void delayed_copy(unsigned char* d0, const unsigned char* s0, unsigned long long n0, unsigned char* d1,
+                             const unsigned char* s1, unsigned long long n1, unsigned long long ns) {
+  attnforge::cuda::grid_launch_dependents();
+  if (threadIdx.x == 0) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (t - t0 < ns);
+  }
+  __syncthreads();
+  for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n0; i += gridDim.x * blockDim.x) d0[i] = s0[i];
+  for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n1; i += gridDim.x * blockDim.x) d1[i] = s1[i];
+}
+)";
+  const jit::CompiledModule m = jit::compile(src);
+  const cuda::DriverApi& d = cuda::driver();
+  CUmodule module;
+  ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, m.binary.data()));
+  CUfunction copy;
+  ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&copy, module, m.lowered_names[0].c_str()));
+
+  CaseSpec s;
+  s.kind = PlanKind::kDecode;
+  s.num_qo_heads = 28, s.num_kv_heads = 4, s.head_dim_qk = 128, s.page_size = 16;  // group 7
+  s.qo_lens.assign(3, 1);
+  s.kv_lens = {9000, 11, 2500};
+  s.spare_pages = 4;
+  s.seed = 17;
+  Case c = make_case(s);
+  DeviceCase dev(c);
+  BatchPlanArgs args = c.plan_args();
+  args.device = Device::cuda(0);
+  AttentionPlan plan = plan_batch_decode(args);
+  ASSERT_FALSE(plan.merges.empty()) << plan.describe();
+  const UploadedPlan uploaded(plan);
+
+  // A spare page (not in the table: NaN-filled by make_case) for the poisoned table.
+  const TensorView& host_ids = c.paged.table.indices;
+  const int32_t* ids = host_ids.ptr<const int32_t>();
+  const int64_t num_ids = host_ids.shape[0], num_pages = c.paged.k.shape[0];
+  std::vector<bool> used(num_pages, false);
+  for (int64_t i = 0; i < num_ids; ++i)
+    if (ids[i] >= 0) used[ids[i]] = true;  // entries past indptr[batch] are -1
+  const int32_t spare = static_cast<int32_t>(std::find(used.begin(), used.end(), false) - used.begin());
+  ASSERT_LT(spare, num_pages);
+  std::vector<int32_t> poisoned_ids(ids, ids + num_ids);
+  for (int32_t& id : poisoned_ids)
+    if (id >= 0) id = spare;
+  const size_t q_bytes = dev.q.numel() * 2, id_bytes = num_ids * sizeof(int32_t);
+  void *real_q = nullptr, *real_ids = nullptr;
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&real_q, q_bytes));
+  ASSERT_EQ(cudaSuccess, cudaMalloc(&real_ids, id_bytes));
+  ASSERT_EQ(cudaSuccess, cudaMemcpy(real_q, dev.q.data, q_bytes, cudaMemcpyDeviceToDevice));
+  ASSERT_EQ(cudaSuccess, cudaMemcpy(real_ids, dev.paged.table.indices.data, id_bytes, cudaMemcpyDeviceToDevice));
+  cudaStream_t stream;
+  ASSERT_EQ(cudaSuccess, cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int run_index = 0; run_index < 4; ++run_index) {
+    AttentionOptions options = dev.options;
+    options.programmatic_launch = run_index < 3;  // the last run launches plainly
+    c.poison_outputs();
+    dev.upload_outputs(c);
+    ASSERT_EQ(cudaSuccess, cudaMemsetAsync(dev.q.data, 0xff, q_bytes, stream));  // bf16 NaN
+    ASSERT_EQ(cudaSuccess, cudaMemcpyAsync(dev.paged.table.indices.data, poisoned_ids.data(), id_bytes,
+                                           cudaMemcpyHostToDevice, stream));
+    void* q_ptr = dev.q.data;
+    void* ids_ptr = dev.paged.table.indices.data;
+    unsigned long long n0 = q_bytes, n1 = id_bytes, ns = 100000;
+    void* kernel_args[] = {&q_ptr, &real_q, &n0, &ids_ptr, &real_ids, &n1, &ns};
+    ATTNFORGE_CU_CHECK(d.cuLaunchKernel(copy, 4, 1, 1, 256, 1, 1, 0, static_cast<CUstream>(stream), kernel_args,
+                                        nullptr));
+    run(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, options, uploaded.w, stream);
+    ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(stream));
+    dev.download_outputs(c);
+    const Verdict v = check_case(c, {});
+    EXPECT_TRUE(v.ok) << "run " << run_index << " (programmatic_launch " << options.programmatic_launch
+                      << "): " << v.message << "\n  plan: " << plan.describe();
+  }
+  cudaStreamDestroy(stream);
+  cudaFree(real_q), cudaFree(real_ids);
+  ATTNFORGE_CU_CHECK(d.cuModuleUnload(module));
+}
+
 TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
   CaseSpec s;
   s.kind = PlanKind::kDecode;

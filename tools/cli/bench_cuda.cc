@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -27,6 +28,7 @@
 #include "attnforge/devices.h"
 #include "attnforge/jit.h"
 #include "backends/cuda/prefill/prefill.h"
+#include "ops/prepare.h"
 #include "bench_common.h"
 #include "commands.h"
 #include "testing/compare.h"
@@ -115,7 +117,7 @@ testing::CaseSpec gpu_decode(int32_t batch, int32_t kv_len, int32_t page_size = 
 std::vector<GpuBenchCase> gpu_suite(bool quick) {
   std::vector<GpuBenchCase> v;
   if (quick) {
-    v.push_back({"decode 16x2048", gpu_decode(16, 2048)});
+    v.push_back({"decode 16x2048", gpu_decode(16, 2048), true});
     v.push_back({"decode 1x2048", gpu_decode(1, 2048), true});
     return v;
   }
@@ -131,8 +133,9 @@ std::vector<GpuBenchCase> gpu_suite(bool quick) {
   v.push_back({"decode 64x8192 page1", gpu_decode(64, 8192, 1)});
   v.push_back({"decode 256x4096", gpu_decode(256, 4096)});
   v.push_back({"decode 256x4096 fp8", fp8(gpu_decode(256, 4096))});
-  v.push_back({"decode 1x32768", gpu_decode(1, 32768)});
-  v.push_back({"decode 16x2048", gpu_decode(16, 2048)});
+  // The split steps are timed in graphs too (the host's launch is a share of their time).
+  v.push_back({"decode 1x32768", gpu_decode(1, 32768), true});
+  v.push_back({"decode 16x2048", gpu_decode(16, 2048), true});
   v.push_back({"decode 1x2048", gpu_decode(1, 2048), true});
   v.push_back({"decode 64x4096 uniform", gpu_decode(64, 4096)});
   testing::CaseSpec zipf = gpu_decode(64, 4096);
@@ -191,7 +194,12 @@ std::vector<GpuBenchCase> gpu_prefill_suite(bool quick) {
 struct GpuResult {
   std::string name;
   testing::CaseSpec spec;
-  double median_us = 0, graph_us = 0, bytes = 0, flops = 0;
+  // graph_us: one call captured in a graph, replayed alone after the previous one finished (the host's launch of
+  // the graph included); chain_us: `copies` calls captured in one graph, replayed whole, over the calls (a serving
+  // engine's step, whose graph holds every layer's call: one launch for all of them).
+  // host_us: the host's time in one run() call (validation, launches), the median of the plain calls.
+  // host_prepare_us: of host_us, run()'s checks and params alone (paged K/V; no launch).
+  double median_us = 0, graph_us = 0, chain_us = 0, host_us = 0, host_prepare_us = 0, bytes = 0, flops = 0;
   double nvrtc_us = 0;  // with compare_nvrtc: the same launches with the NVRTC-compiled kernels
   int32_t iters = 0;
   std::string plan;
@@ -312,23 +320,47 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
 
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0), cudaEventCreate(&e1);
+  double host_us = 0;  // the last time_calls' median host time of a call
   auto time_calls = [&](auto&& call) {
     for (int32_t i = 0; i < std::max(5, copies); ++i) call(i);
-    std::vector<double> us;
+    std::vector<double> us, host;
     for (int32_t i = 0; i < iters; ++i) {
       if (warm) warm->run_and_wait(bc.spec.format, stream);
       cudaEventRecord(e0, stream);
+      const auto h0 = std::chrono::steady_clock::now();
       call(i);
+      host.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
       cudaEventRecord(e1, stream);
       check(cudaEventSynchronize(e1), "timed run");
       float ms = 0;
       cudaEventElapsedTime(&ms, e0, e1);
       us.push_back(ms * 1e3);
     }
+    host_us = median(host);
     return median(us);
   };
-  GpuResult r{bc.warm_code ? bc.name + " warm-code" : bc.name, bc.spec, time_calls(launch), 0, kv_bytes,
-              attention_flops(bc.spec), 0, iters, plan.describe()};
+  GpuResult r;
+  r.name = bc.warm_code ? bc.name + " warm-code" : bc.name;
+  r.spec = bc.spec;
+  r.median_us = time_calls(launch);
+  r.host_us = host_us;
+  r.bytes = kv_bytes;
+  r.flops = attention_flops(bc.spec);
+  r.iters = iters;
+  r.plan = plan.describe();
+  if (bc.spec.format != KVFormat::kRagged) {
+    const testing::DeviceCase& d = *devs[0];
+    std::vector<double> prep;
+    for (int32_t i = 0; i < 50; ++i) {
+      const auto h0 = std::chrono::steady_clock::now();
+      detail::PreparedRun prepared;
+      const KVParams kv = detail::paged_run_params(plan, d.paged);
+      detail::prepare_run(prepared, plan, d.q, kv, d.paged.k, d.paged.v, d.paged.layout, Outputs{d.out, d.lse},
+                          d.options, w);
+      prep.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
+    }
+    r.host_prepare_us = median(prep);
+  }
   if (compare_nvrtc) {
     auto use = [](jit::CudaKernels k) { jit::set_cuda_kernels(k); };
     use(jit::CudaKernels::kNvrtc);
@@ -354,13 +386,28 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
     }
     r.graph_us = time_calls([&](int32_t i) { check(cudaGraphLaunch(execs[i % copies], stream), "graph launch"); });
     for (auto e : execs) cudaGraphExecDestroy(e);
+    // At least 16 calls in the chain; each call reads its own copy of the inputs, so none finds its K/V in the L2.
+    const int32_t chain = std::max(copies, 16);
+    cudaGraph_t g;
+    cudaGraphExec_t chain_exec;
+    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+    for (int32_t i = 0; i < chain; ++i) launch(i);
+    check(cudaStreamEndCapture(stream, &g), "capture");
+    check(cudaGraphInstantiate(&chain_exec, g, 0), "instantiate");
+    cudaGraphDestroy(g);
+    r.chain_us = time_calls([&](int32_t) { check(cudaGraphLaunch(chain_exec, stream), "graph launch"); }) / chain;
+    cudaGraphExecDestroy(chain_exec);
   }
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cudaStreamDestroy(stream);
   if (compare_nvrtc) fmt::print(stderr, "{} {}: NVRTC-compiled kernels {:.1f} us\n", progress, bc.name, r.nvrtc_us);
-  fmt::print(stderr, "{} {}: checked ({} rows); median {:.1f} us{}, {:.2f} TB/s, {:.1f} TFLOP/s; {}\n", progress,
-             bc.name, rows.empty() ? hosts[0]->total_qo() : static_cast<int64_t>(rows.size()), r.median_us,
-             r.graph_us > 0 ? fmt::format(" ({:.1f} us as a graph)", r.graph_us) : "", kv_bytes / (r.median_us * 1e6),
+  fmt::print(stderr, "{} {}: checked ({} rows); median {:.1f} us (host {:.1f} us in run(), {:.1f} of them its checks){}, {:.2f} TB/s, {:.1f} TFLOP/s; {}\n", progress,
+             bc.name, rows.empty() ? hosts[0]->total_qo() : static_cast<int64_t>(rows.size()), r.median_us, r.host_us,
+             r.host_prepare_us,
+             r.graph_us > 0 ? fmt::format(" ({:.1f} us as a graph, {:.1f} us a call in a graph of many)", r.graph_us,
+                                          r.chain_us)
+                            : "",
+             kv_bytes / (r.median_us * 1e6),
              r.flops / (r.median_us * 1e6), r.plan);
   return r;
 }
@@ -666,13 +713,14 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
   fmt::print("ceiling cuBLAS bf16 matrix product: {}\n",
              gemm > 0 ? fmt::format("{:.0f} TFLOP/s", gemm) : std::string("n/a (built without cuBLAS)"));
   fmt::print("prefill kernels: {}\n\n", prefill_kernels);
-  fmt::print("{:<30} {:>11} {:>11} {:>9} {:>10} {:>9} {:>10}\n", "case", "median_us", "graph_us", "TB/s", "% of copy",
-             "TFLOP/s", "% of gemm");
+  fmt::print("{:<30} {:>11} {:>11} {:>9} {:>9} {:>10} {:>9} {:>10}\n", "case", "median_us", "graph_us", "chain_us",
+             "TB/s", "% of copy", "TFLOP/s", "% of gemm");
   for (const GpuResult& r : results) {
     const double gbps = r.bytes / (r.median_us * 1e3), tflops = r.flops / (r.median_us * 1e6);
     const bool prefill = r.spec.kind == PlanKind::kPrefill;
-    fmt::print("{:<30} {:>11.1f} {:>11} {:>9.3f} {:>9.1f}% {:>9.1f} {:>10}\n", r.name, r.median_us,
-               r.graph_us > 0 ? fmt::format("{:.1f}", r.graph_us) : "-", gbps / 1e3, gbps / copy_gbps * 100, tflops,
+    fmt::print("{:<30} {:>11.1f} {:>11} {:>9} {:>9.3f} {:>9.1f}% {:>9.1f} {:>10}\n", r.name, r.median_us,
+               r.graph_us > 0 ? fmt::format("{:.1f}", r.graph_us) : "-",
+               r.chain_us > 0 ? fmt::format("{:.1f}", r.chain_us) : "-", gbps / 1e3, gbps / copy_gbps * 100, tflops,
                prefill && gemm > 0 ? fmt::format("{:.1f}%", tflops / gemm * 100) : "-");
   }
   if (json.is_open()) {
@@ -699,6 +747,9 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
       j["pct_of_ceiling"] = prefill ? (gemm > 0 ? tflops / gemm * 100 : 0.0) : gbps / copy_gbps * 100;
       j["bytes"] = r.bytes, j["iters"] = r.iters, j["commit"] = git_commit();
       if (r.graph_us > 0) j["graph_us"] = r.graph_us;
+      if (r.chain_us > 0) j["chain_us"] = r.chain_us;
+      j["host_us"] = r.host_us;
+      if (r.host_prepare_us > 0) j["host_prepare_us"] = r.host_prepare_us;
       j["detail"] = r.spec.describe() + "; " + r.plan;
       if (prefill) j["prefill_kernels"] = prefill_kernels;
       j["shape"] = {{"kv_lens", r.spec.kv_lens}, {"qo_lens", r.spec.qo_lens}, {"qo_len", r.spec.qo_lens[0]},

@@ -17,6 +17,7 @@
 #include "backends/cuda/merge/merge.h"
 #include "backends/cuda/prefill/prefill.h"
 #include "core/check.h"
+#include "core/env.h"
 #include "core/shape.h"
 
 namespace attnforge::detail {
@@ -150,8 +151,12 @@ class CudaBackend final : public Backend {
     return {cuda::kPrefillShortRows, rows};
   }
   bool plan_in_device_memory() const override { return true; }
-  // Two 64-token tiles: one CTA's pipeline still overlaps a load with a compute.
-  int32_t min_split_tokens() const override { return 128; }
+  // Two 64-token tiles: one CTA's pipeline still overlaps a load with a compute. ATTNFORGE_MIN_SPLIT_TOKENS (16 to
+  // 65536) overrides it for tuning runs (README).
+  int32_t min_split_tokens() const override {
+    static const int32_t tokens = detail::env_int("ATTNFORGE_MIN_SPLIT_TOKENS", 16, 65536, 128);
+    return tokens;
+  }
   int32_t split_waves() const override { return 1; }
 
   void copy_to_device(void* dst, const void* src, size_t bytes, Stream stream) override {

@@ -129,23 +129,22 @@ void JitKernels::run(const AttentionParams& p, PlanKind kind, cudaStream_t strea
   AttentionParams params = p;
   void* args[] = {&params};
   const DriverApi& d = driver();
-  auto launch = [&](CUfunction f, const KernelDims& dims) {
-    ATTNFORGE_CU_CHECK(d.cuLaunchKernel(f, dims.grid.x, dims.grid.y, dims.grid.z, dims.block.x, dims.block.y,
-                                        dims.block.z, dims.smem_bytes, static_cast<CUstream>(stream), args, nullptr));
+  // Programmatic dependents where the GPU has them, as the nvcc build's launches: decode on the kernel before it
+  // (decode_programmatic_launch), the merge on the attention kernel.
+  auto launch = [&](CUfunction f, const KernelDims& dims, bool programmatic) {
+    CUlaunchAttribute attribute{};
+    attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
+    CUlaunchConfig config{};
+    config.gridDimX = dims.grid.x, config.gridDimY = dims.grid.y, config.gridDimZ = dims.grid.z;
+    config.blockDimX = dims.block.x, config.blockDimY = dims.block.y, config.blockDimZ = dims.block.z;
+    config.sharedMemBytes = dims.smem_bytes, config.hStream = static_cast<CUstream>(stream);
+    config.attrs = &attribute;
+    config.numAttrs = programmatic ? 1 : 0;
+    ATTNFORGE_CU_CHECK(d.cuLaunchKernelEx(&config, f, args, nullptr));
   };
-  launch(k.attention, c.attention);
-  if (!c.run_merge) return;
-  // A programmatic dependent of the attention kernel where the GPU has it, as the nvcc build's run_merge.
-  CUlaunchAttribute attribute{};
-  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-  attribute.value.programmaticStreamSerializationAllowed = 1;
-  CUlaunchConfig config{};
-  config.gridDimX = c.merge.grid.x, config.gridDimY = c.merge.grid.y, config.gridDimZ = c.merge.grid.z;
-  config.blockDimX = c.merge.block.x, config.blockDimY = c.merge.block.y, config.blockDimZ = c.merge.block.z;
-  config.sharedMemBytes = c.merge.smem_bytes, config.hStream = static_cast<CUstream>(stream);
-  config.attrs = &attribute;
-  config.numAttrs = merge_programmatic_launch() ? 1 : 0;
-  ATTNFORGE_CU_CHECK(d.cuLaunchKernelEx(&config, k.merge, args, nullptr));
+  launch(k.attention, c.attention, !prefill && p.programmatic_launch && decode_programmatic_launch());
+  if (c.run_merge) launch(k.merge, c.merge, merge_programmatic_launch());
 }
 
 void JitKernels::run_variant(const AttentionParams& p, const jit::KernelKey& key, const VariantArgs& args,

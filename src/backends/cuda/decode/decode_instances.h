@@ -8,6 +8,7 @@
 #include "backends/cuda/decode/decode.h"
 #include "backends/cuda/decode/decode_kernel.cuh"
 #include "backends/cuda/kernel_config.h"
+#include "backends/cuda/merge/merge.h"
 
 namespace attnforge::cuda {
 
@@ -30,8 +31,15 @@ int configure_decode() {
 template <class Tr>
 void launch_decode(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
   configure_decode<Tr>();
-  decode_kernel<Tr><<<dims.grid, dims.block, dims.smem_bytes, stream>>>(p);
-  ATTNFORGE_CUDA_CHECK(cudaGetLastError());
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dims.grid, config.blockDim = dims.block, config.dynamicSmemBytes = dims.smem_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = p.programmatic_launch && decode_programmatic_launch() ? 1 : 0;
+  ATTNFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, decode_kernel<Tr>, p));
 }
 
 // fp8 K/V instantiations (decode_fp8.cu).

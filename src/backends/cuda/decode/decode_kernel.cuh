@@ -225,9 +225,15 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   for (int item_index = linear / p.num_kv_heads; item_index < num_items; item_index += gridDim.x) {
     const WorkItem it = plan.items[item_index];
     using Loader = KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes>;
-    const int64_t page_list = Loader::page_list_of(kv, it.request);  // in the same trip as item_rows' loads
     ItemRows m;
     if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
+    // Launched as a programmatic dependent (decode_programmatic_launch), the CTA may run while the kernel before it
+    // on the stream is finishing: the plan's metadata above (written only by upload_plan's copy) is read before this
+    // wait, and everything the caller gives (the page table, Q, K/V, option tensors) after it, as is every write. The
+    // page-list offset's load goes out next to item_rows' (consumed after), so a launch without a kernel to wait on
+    // makes the same trips as before. A no-op after the first item, and without the launch attribute.
+    grid_dependency_wait();
+    const int64_t page_list = Loader::page_list_of(kv, it.request);
     const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
 
     ATTNFORGE_TL(if (tl_one) tl_pro[0] = cycles() - tl_t;)

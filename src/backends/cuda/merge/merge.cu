@@ -35,6 +35,11 @@ bool merge_programmatic_launch() {
   return allowed && compute_capability() >= 90;
 }
 
+bool decode_programmatic_launch() {
+  static const bool allowed = detail::env_choice("ATTNFORGE_DECODE_PDL", {"0", "1"}, "1") == "1";
+  return allowed && compute_capability() >= 90;
+}
+
 void run_merge(const AttentionParams& p, cudaStream_t stream) {
   if (p.merge_capacity <= 0) return;
   const KernelDims d = merge_dims(p);

@@ -175,6 +175,9 @@ __device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m
     PlanView states{};
     states.items = plan.items, states.partial_o = plan.partial_o, states.partial_lse = plan.partial_lse;
     grid_dependency_wait();
+    // The next kernel on the stream, where it is a programmatic dependent (the next decode call's kernel), may be
+    // scheduled now: it waits for this grid's end before it reads anything this grid or the caller writes.
+    grid_launch_dependents();
     ATTNFORGE_TL(if (tl_waited == 0) tl_waited = global_ns();)
     for (int tok = mi.qo_begin + static_cast<int>(blockIdx.z); tok < mi.qo_end; tok += gridDim.z) {
       if (one_warp)
