@@ -781,8 +781,6 @@ TEST(CudaWgmma, PlansBalanceOverTheKernelThatRunsTheirTiles) {
   cuda::set_prefill_wgmma(before);
 }
 
-// Runs of one uploaded plan on one workspace, one after another, must each be right and bit-identical: nothing a
-// run leaves in the workspace (partial states, metadata) may leak into the next.
 // Programmatic launch (sm_90+, decode_programmatic_launch): the decode kernel's CTAs may be scheduled while the
 // kernel before it on the stream runs, and must read what the caller gives only after griddepcontrol.wait. The kernel
 // before it here lets its dependents launch at once, spins for 100 us, then writes Q and the page table; until
@@ -881,6 +879,8 @@ __global__ void delayed_copy(unsigned char* d0, const unsigned char* s0, unsigne
   ATTNFORGE_CU_CHECK(d.cuModuleUnload(module));
 }
 
+// Runs of one uploaded plan on one workspace, one after another, must each be right and bit-identical: nothing a
+// run leaves in the workspace (partial states, metadata) may leak into the next.
 TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
   CaseSpec s;
   s.kind = PlanKind::kDecode;
