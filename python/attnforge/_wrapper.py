@@ -130,24 +130,24 @@ class BatchWrapper:
         self._planned = True
 
     def _run(self, q, kv_a, kv_b, out, lse, return_lse, stream, sm_scale, window_left, logits_soft_cap, q_scale,
-             k_scale, v_scale, sinks):
+             k_scale, v_scale, sinks, enable_pdl=None):
         if out is None or (lse is None and return_lse):  # the shape tuple costs time on the hot path (out= given)
             out, lse = outputs(q, out, lse, (q.shape[0], self._num_qo_heads, self._head_dim_vo), self._o_dtype_name,
                                return_lse)
         if _torch.tracing():
             _batch_run(self._handle, q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale,
-                       k_scale, v_scale, sinks)
+                       k_scale, v_scale, sinks, enable_pdl)
         else:
             self._run_now(q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale, k_scale,
-                          v_scale, sinks)
+                          v_scale, sinks, enable_pdl)
         return (out, lse) if return_lse else out
 
     def _run_now(self, q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale, k_scale,
-                 v_scale, sinks):
+                 v_scale, sinks, enable_pdl=None):
         if stream is None:
             stream = current_stream(q, self._device_index) if self._on_cuda else 0
         self._impl.run(q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale, k_scale,
-                       v_scale, sinks)
+                       v_scale, sinks, enable_pdl)
 
     def _run_variant(self, q, kv_a, kv_b, out, lse, return_lse, stream, sm_scale, k_scale, v_scale, variant, scalars,
                      tensors):
@@ -177,9 +177,9 @@ class BatchWrapper:
 def _batch_run(handle: int, q: Tensor, kv_a: Tensor, kv_b: Optional[Tensor], out: Tensor, lse: Optional[Tensor],
                stream: Optional[int], sm_scale: Optional[float], window_left: Optional[int],
                logits_soft_cap: Optional[float], q_scale: Optional[float], k_scale: Optional[float],
-               v_scale: Optional[float], sinks: Optional[Tensor]) -> None:
+               v_scale: Optional[float], sinks: Optional[Tensor], enable_pdl: Optional[bool]) -> None:
     _torch.wrapper(handle)._run_now(q, kv_a, kv_b, out, lse, stream, sm_scale, window_left, logits_soft_cap, q_scale,
-                                    k_scale, v_scale, sinks)
+                                    k_scale, v_scale, sinks, enable_pdl)
 
 
 def no_custom_args(args, where):
@@ -202,6 +202,8 @@ class PagedWrapper(BatchWrapper):
         [total_qo, num_qo_heads, head_dim_vo] (and lse [total_qo, num_qo_heads], log2 units, when return_lse).
         attnforge additions (keyword-only): ``sm_scale`` and ``logits_soft_cap`` override the plan's for this call;
         ``window_left`` may differ from the plan's; ``stream`` overrides the framework's current stream.
+        ``enable_pdl``: None or True launches the CUDA decode kernel as a programmatic dependent of the kernel before
+        it on sm_90+ (AttentionOptions::programmatic_launch), False launches it plainly; ignored elsewhere.
         ``variant``: an ``attnforge.CustomVariant`` (C++ hooks compiled at run time and cached, see
         attnforge/variant.h) run instead of the built-in options, with ``variant_scalars`` (up to 8 floats) and
         ``variant_tensors`` (up to 4 arrays whose data pointers the hooks receive). CPU plans made with
@@ -218,7 +220,7 @@ class PagedWrapper(BatchWrapper):
             return self._run_variant(q, kv_a, kv_b, out, lse, return_lse, stream, sm_scale, k_scale, v_scale, variant,
                                      variant_scalars, variant_tensors)
         return self._run(q, kv_a, kv_b, out, lse, return_lse, stream, sm_scale, window_left, logits_soft_cap, q_scale,
-                         k_scale, v_scale, sinks)
+                         k_scale, v_scale, sinks, enable_pdl)
 
     def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)

@@ -92,7 +92,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(BatchWrapper):
         if args:
             no_custom_args(args, "run")
         return self._run(q, k, v, out, lse, return_lse, stream, sm_scale, window_left, logits_soft_cap, q_scale,
-                         k_scale, v_scale, sinks)
+                         k_scale, v_scale, sinks, enable_pdl)
 
     run.__doc__ = ("Prefill attention of q [total_qo, num_qo_heads, head_dim_qk] over k, v [total_kv, num_kv_heads, "
                    "head_dim] (NHD) or [num_kv_heads, total_kv, head_dim] (HND); otherwise as PagedWrapper.run.")

@@ -174,6 +174,7 @@ BatchAttention::Call BatchAttention::prepare(nb::handle q, nb::handle kv_a, nb::
   }
   if (o.window_left) c.options.window_left = *o.window_left;
   if (o.logits_soft_cap) c.options.logits_soft_cap = *o.logits_soft_cap;
+  if (o.enable_pdl) c.options.programmatic_launch = *o.enable_pdl;
   c.options.sinks = optional_view(o.sinks, "sinks");
   c.stream = reinterpret_cast<Stream>(stream);
   if (plan.kv_format == KVFormat::kRagged) {

@@ -45,6 +45,7 @@ class BatchAttention {
     std::optional<float> sm_scale, logits_soft_cap, q_scale, k_scale, v_scale;
     std::optional<int32_t> window_left;
     nanobind::handle sinks;  // None or float32 [num_qo_heads]
+    std::optional<bool> enable_pdl;  // AttentionOptions::programmatic_launch (FlashInfer's run(enable_pdl=))
   };
 
   // kv_a, kv_b: paged: (k_cache, v_cache), or one [num_pages, 2, ...] tensor and None; ragged: (k, v).

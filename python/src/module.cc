@@ -149,14 +149,14 @@ NB_MODULE(_C, m) {
           [](python::BatchAttention& self, nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::handle out,
              nb::handle lse, uintptr_t stream, std::optional<float> sm_scale, std::optional<int32_t> window_left,
              std::optional<float> logits_soft_cap, std::optional<float> q_scale, std::optional<float> k_scale,
-             std::optional<float> v_scale, nb::handle sinks) {
+             std::optional<float> v_scale, nb::handle sinks, std::optional<bool> enable_pdl) {
             self.run(q, kv_a, kv_b, out, lse, stream,
-                     {sm_scale, logits_soft_cap, q_scale, k_scale, v_scale, window_left, sinks});
+                     {sm_scale, logits_soft_cap, q_scale, k_scale, v_scale, window_left, sinks, enable_pdl});
           },
           nb::arg("q"), nb::arg("kv_a"), nb::arg("kv_b").none(), nb::arg("out"), nb::arg("lse").none(),
           nb::arg("stream"), nb::arg("sm_scale").none(), nb::arg("window_left").none(),
           nb::arg("logits_soft_cap").none(), nb::arg("q_scale").none(), nb::arg("k_scale").none(),
-          nb::arg("v_scale").none(), nb::arg("sinks").none())
+          nb::arg("v_scale").none(), nb::arg("sinks").none(), nb::arg("enable_pdl").none() = nb::none())
       .def(
           "run_variant",
           [](python::BatchAttention& self, nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::handle out,

@@ -95,6 +95,20 @@ def test_per_layer_options_at_plan_and_run(rng, workspace):
                  _reference(q64, qo, k_seq, v_seq, sm_scale=0.3, soft_cap=4.0, window_left=7)[0], "float32")
 
 
+def test_enable_pdl_reaches_run(rng, workspace):
+    """FlashInfer's run(enable_pdl=): None and True launch the CUDA decode kernel as a programmatic dependent, False
+    plainly (AttentionOptions::programmatic_launch); the result is the same, and a value that is not a bool is
+    refused by the binding."""
+    q, q64, k_cache, v_cache, indptr, indices, last, k_seq, v_seq = _decode_inputs(rng, "float32", "NHD")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    wrapper.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE, q_data_type="float32")
+    ref_out, _ = _reference(q64, np.arange(len(KV_LENS) + 1), k_seq, v_seq)
+    for enable_pdl in (None, True, False):
+        assert_close(wrapper.run(q, (k_cache, v_cache), enable_pdl=enable_pdl), ref_out, "float32")
+    with pytest.raises(TypeError):
+        wrapper.run(q, (k_cache, v_cache), enable_pdl="yes")
+
+
 def test_alibi_and_fp8_scales(rng, workspace):
     from attnforge._options import alibi_slopes
 
