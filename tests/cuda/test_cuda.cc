@@ -61,6 +61,13 @@ std::vector<int64_t> sample_rows(const Case& c, int64_t max_rows) {
 }
 
 // A plan's device workspace and page-locked staging, the plan uploaded into them; freed with the object.
+// The case's decode plan on cuda:0 (its own plan options).
+AttentionPlan cuda_decode_plan(const Case& c) {
+  BatchPlanArgs args = c.plan_args();
+  args.device = Device::cuda(0);
+  return plan_batch_decode(args);
+}
+
 struct UploadedPlan {
   void* ws = nullptr;
   void* staging = nullptr;
@@ -448,9 +455,7 @@ TEST(CudaErrors, KVStridesOutsideTheLoaderRange) {
   Case c = make_case(s);
   DeviceCase dev(c);
   plan_and_run_cuda(c, dev);  // the case itself runs
-  BatchPlanArgs args = c.plan_args();
-  args.device = Device::cuda(0);
-  AttentionPlan plan = plan_batch_decode(args);
+  AttentionPlan plan = cuda_decode_plan(c);
   void* ws = nullptr;
   void* staging = nullptr;
   ASSERT_EQ(cudaSuccess, cudaMalloc(&ws, std::max<size_t>(256, plan.workspace_bytes)));
@@ -827,9 +832,7 @@ __global__ void delayed_copy(unsigned char* d0, const unsigned char* s0, unsigne
   s.seed = 17;
   Case c = make_case(s);
   DeviceCase dev(c);
-  BatchPlanArgs args = c.plan_args();
-  args.device = Device::cuda(0);
-  AttentionPlan plan = plan_batch_decode(args);
+  AttentionPlan plan = cuda_decode_plan(c);
   ASSERT_FALSE(plan.merges.empty()) << plan.describe();
   const UploadedPlan uploaded(plan);
 
@@ -890,9 +893,7 @@ TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
   s.seed = 91;
   Case c = make_case(s);
   DeviceCase dev(c);
-  BatchPlanArgs args = c.plan_args();
-  args.device = Device::cuda(0);
-  AttentionPlan plan = plan_batch_decode(args);
+  AttentionPlan plan = cuda_decode_plan(c);
   ASSERT_FALSE(plan.merges.empty()) << plan.describe();
   const UploadedPlan uploaded(plan);
   const Workspace& w = uploaded.w;

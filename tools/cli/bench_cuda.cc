@@ -205,6 +205,11 @@ struct GpuResult {
   std::string plan;
 };
 
+// Microseconds of the host's clock since t0.
+double host_us_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
@@ -329,7 +334,7 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
       cudaEventRecord(e0, stream);
       const auto h0 = std::chrono::steady_clock::now();
       call(i);
-      host.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
+      host.push_back(host_us_since(h0));
       cudaEventRecord(e1, stream);
       check(cudaEventSynchronize(e1), "timed run");
       float ms = 0;
@@ -357,7 +362,7 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
       const KVParams kv = detail::paged_run_params(plan, d.paged);
       detail::prepare_run(prepared, plan, d.q, kv, d.paged.k, d.paged.v, d.paged.layout, Outputs{d.out, d.lse},
                           d.options, w);
-      prep.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
+      prep.push_back(host_us_since(h0));
     }
     r.host_prepare_us = median(prep);
   }
@@ -401,14 +406,15 @@ GpuResult bench_gpu_case(const GpuBenchCase& bc, int device, int32_t iters, cons
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cudaStreamDestroy(stream);
   if (compare_nvrtc) fmt::print(stderr, "{} {}: NVRTC-compiled kernels {:.1f} us\n", progress, bc.name, r.nvrtc_us);
-  fmt::print(stderr, "{} {}: checked ({} rows); median {:.1f} us (host {:.1f} us in run(), {:.1f} of them its checks){}, {:.2f} TB/s, {:.1f} TFLOP/s; {}\n", progress,
-             bc.name, rows.empty() ? hosts[0]->total_qo() : static_cast<int64_t>(rows.size()), r.median_us, r.host_us,
-             r.host_prepare_us,
-             r.graph_us > 0 ? fmt::format(" ({:.1f} us as a graph, {:.1f} us a call in a graph of many)", r.graph_us,
-                                          r.chain_us)
-                            : "",
-             kv_bytes / (r.median_us * 1e6),
-             r.flops / (r.median_us * 1e6), r.plan);
+  fmt::print(stderr,
+             "{} {}: checked ({} rows); median {:.1f} us (host {:.1f} us in run(), {:.1f} of them its checks){}, "
+             "{:.2f} TB/s, {:.1f} TFLOP/s; {}\n",
+             progress, bc.name, rows.empty() ? hosts[0]->total_qo() : static_cast<int64_t>(rows.size()), r.median_us,
+             r.host_us, r.host_prepare_us,
+             r.graph_us > 0
+                 ? fmt::format(" ({:.1f} us as a graph, {:.1f} us a call in a graph of many)", r.graph_us, r.chain_us)
+                 : "",
+             kv_bytes / (r.median_us * 1e6), r.flops / (r.median_us * 1e6), r.plan);
   return r;
 }
 

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <atomic>
+#include <utility>
 
 #include "attnforge/kernel/params.h"
 #include "backends/cuda/cuda_check.h"
@@ -62,6 +63,23 @@ class PerDevice {
  private:
   std::array<std::atomic<int>, 64> values_{};
 };
+
+// Launches `kernel` over `dims` on `stream`, as a programmatic dependent of the kernel before it on the stream where
+// `programmatic` (sm_90+: its CTAs may be scheduled during that kernel's tail and must griddepcontrol.wait before
+// reading what it writes), plainly otherwise.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), const KernelDims& dims, cudaStream_t stream, bool programmatic,
+                   Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dims.grid, config.blockDim = dims.block, config.dynamicSmemBytes = dims.smem_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  ATTNFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
 
 // The current device's compute capability as 10 x major + minor (90: Hopper), asked once per device.
 inline int compute_capability() {

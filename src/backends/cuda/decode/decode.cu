@@ -5,6 +5,7 @@
 
 #include "backends/cuda/decode/decode_instances.h"
 #include "backends/cuda/merge/merge.h"
+#include "core/env.h"
 
 namespace attnforge::cuda {
 
@@ -46,6 +47,11 @@ KernelAttributes decode_attributes(int head_dim, DType kv_dtype, int stages) {
 LaunchConfig decode_launch_config(const AttentionParams& p, int stages) {
   constexpr int kRows = DecodeTraits<64, Bf16>::kRows;  // one mma M tile, the same for every instantiation
   return attention_launch_config(p, kRows, decode_attributes(p.head_dim_qk, p.kv.dtype, stages));
+}
+
+bool decode_programmatic_launch() {
+  static const bool allowed = detail::env_choice("ATTNFORGE_DECODE_PDL", {"0", "1"}, "1") == "1";
+  return allowed && compute_capability() >= 90;
 }
 
 int decode_ctas_per_sm(int head_dim, DType kv_dtype) {

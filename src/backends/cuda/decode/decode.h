@@ -12,6 +12,12 @@ namespace attnforge::cuda {
 
 KernelAttributes decode_attributes(int head_dim, DType kv_dtype, int stages);
 LaunchConfig decode_launch_config(const AttentionParams& p, int stages);
+// Whether the decode kernel is launched as a programmatic dependent of the kernel before it on the stream (sm_90+,
+// unless ATTNFORGE_DECODE_PDL=0; AttentionParams::programmatic_launch decides per call): its CTAs may be scheduled
+// during that kernel's tail and read the plan's metadata (written only by upload_plan's copy) before
+// griddepcontrol.wait; Q, the page table, K/V and every option tensor are read after it, and nothing is written
+// before it.
+bool decode_programmatic_launch();
 
 // The nvcc-compiled kernels (the default tile configuration, default_decode_stages(kv_dtype)).
 int decode_ctas_per_sm(int head_dim, DType kv_dtype);

@@ -8,7 +8,6 @@
 #include "backends/cuda/decode/decode.h"
 #include "backends/cuda/decode/decode_kernel.cuh"
 #include "backends/cuda/kernel_config.h"
-#include "backends/cuda/merge/merge.h"
 
 namespace attnforge::cuda {
 
@@ -31,15 +30,7 @@ int configure_decode() {
 template <class Tr>
 void launch_decode(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
   configure_decode<Tr>();
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dims.grid, config.blockDim = dims.block, config.dynamicSmemBytes = dims.smem_bytes;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = p.programmatic_launch && decode_programmatic_launch() ? 1 : 0;
-  ATTNFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, decode_kernel<Tr>, p));
+  launch_kernel(decode_kernel<Tr>, dims, stream, p.programmatic_launch && decode_programmatic_launch(), p);
 }
 
 // fp8 K/V instantiations (decode_fp8.cu).

@@ -35,22 +35,9 @@ bool merge_programmatic_launch() {
   return allowed && compute_capability() >= 90;
 }
 
-bool decode_programmatic_launch() {
-  static const bool allowed = detail::env_choice("ATTNFORGE_DECODE_PDL", {"0", "1"}, "1") == "1";
-  return allowed && compute_capability() >= 90;
-}
-
 void run_merge(const AttentionParams& p, cudaStream_t stream) {
   if (p.merge_capacity <= 0) return;
-  const KernelDims d = merge_dims(p);
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = d.grid, config.blockDim = d.block, config.dynamicSmemBytes = d.smem_bytes, config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = merge_programmatic_launch() ? 1 : 0;
-  ATTNFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, merge_kernel, p));
+  launch_kernel(merge_kernel, merge_dims(p), stream, merge_programmatic_launch(), p);
   ATTNFORGE_TL(print_timeline("merge", stream);)  // trace builds: before the attention kernel's lines
 }
 

@@ -19,11 +19,6 @@ void run_merge(const AttentionParams& p, cudaStream_t stream);
 // Whether the merge kernel is launched as a programmatic dependent of the attention kernel on the current device:
 // compute capability 9.0 or newer, unless ATTNFORGE_MERGE_PDL=0 (a measuring knob: the plain launch for A/B runs).
 bool merge_programmatic_launch();
-// Whether the decode kernel is launched as a programmatic dependent of the kernel before it on the stream (sm_90+,
-// unless ATTNFORGE_DECODE_PDL=0): its CTAs may be scheduled during that kernel's tail and read the plan's metadata
-// (written only by upload_plan's copy) before griddepcontrol.wait; Q, the page table, K/V and every option tensor
-// are read after it, and nothing is written before it.
-bool decode_programmatic_launch();
 
 // The merge_state / merge_states operators on `stream`.
 void run_merge_states(const MergeStatesParams& p, cudaStream_t stream);
