@@ -134,9 +134,6 @@ struct AttentionParams {
   int32_t tile_rows;  // the plan's tile_rows: which prefill kernel (CTA rows) serves it
   int32_t max_merge_states;  // the plan's: which shape of merge kernel launch serves it
   int32_t programmatic_launch;  // AttentionOptions::programmatic_launch (host side: how the CUDA backend launches)
-  // CUDA decode: K/V copied under an evict-first L2 policy (ATTNFORGE_DECODE_KV_EVICT_FIRST, default 1). Set by the
-  // CUDA backend at launch, never by the caller.
-  int32_t kv_evict_first;
   // CUDA, Hopper prefill kernel (ATTNFORGE_PREFILL_TMA): K/V tiles copied by the tensor memory accelerator through
   // these maps (backends/cuda/tma.h) in boxes of tma_box_slots tokens of a page (ragged KV: a tile's rows in one
   // box); 0: by cp.async. Set by the CUDA backend at launch, never by the caller.

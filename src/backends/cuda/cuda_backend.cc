@@ -159,20 +159,12 @@ class CudaBackend final : public Backend {
   }
   int32_t split_waves() const override { return 1; }
 
-  // The parameters' fields that this backend sets at launch, never the caller (params.h).
-  static AttentionParams with_launch_settings(const AttentionParams& params) {
-    AttentionParams p = params;
-    p.kv_evict_first = cuda::decode_kv_evict_first() ? 1 : 0;
-    return p;
-  }
-
   void copy_to_device(void* dst, const void* src, size_t bytes, Stream stream) override {
     DeviceGuard guard(device_);
     ATTNFORGE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
   }
 
-  void attention(const AttentionParams& params, PlanKind kind, Stream stream) override {
-    const AttentionParams p = with_launch_settings(params);
+  void attention(const AttentionParams& p, PlanKind kind, Stream stream) override {
     expect_kernel_layout(p);
     DeviceGuard guard(device_);
     const auto cuda_stream = static_cast<cudaStream_t>(stream);
@@ -185,9 +177,8 @@ class CudaBackend final : public Backend {
   }
 
   // Custom variants compile through NVRTC whatever ATTNFORGE_KERNELS says (nvcc cannot know them).
-  void attention_variant(const AttentionParams& params, PlanKind kind, const std::string& name,
-                         const std::string& source, const VariantArgs& args, Stream stream) override {
-    const AttentionParams p = with_launch_settings(params);
+  void attention_variant(const AttentionParams& p, PlanKind kind, const std::string& name, const std::string& source,
+                         const VariantArgs& args, Stream stream) override {
     expect_kernel_layout(p);
     DeviceGuard guard(device_);
     const AttentionShape shape{p.num_qo_heads, p.num_kv_heads, p.head_dim_qk, p.head_dim_vo,

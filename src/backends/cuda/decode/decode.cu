@@ -54,11 +54,6 @@ bool decode_programmatic_launch() {
   return allowed && compute_capability() >= 90;
 }
 
-bool decode_kv_evict_first() {
-  static const bool on = detail::env_choice("ATTNFORGE_DECODE_KV_EVICT_FIRST", {"0", "1"}, "1") == "1";
-  return on;
-}
-
 int decode_ctas_per_sm(int head_dim, DType kv_dtype) {
   if (is_fp8(kv_dtype)) return decode_fp8_ctas_per_sm(head_dim, kv_dtype);
   switch (head_dim) {

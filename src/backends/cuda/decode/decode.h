@@ -18,10 +18,6 @@ LaunchConfig decode_launch_config(const AttentionParams& p, int stages);
 // griddepcontrol.wait; Q, the page table, K/V and every option tensor are read after it, and nothing is written
 // before it.
 bool decode_programmatic_launch();
-// Whether the decode kernel copies K/V under an evict-first L2 policy (AttentionParams::kv_evict_first), unless
-// ATTNFORGE_DECODE_KV_EVICT_FIRST=0: a step reads every K/V byte once, and a cache larger than L2 would otherwise
-// evict the plan, the page table, Q and the partial states the merge reads next.
-bool decode_kv_evict_first();
 
 // The nvcc-compiled kernels (the default tile configuration, default_decode_stages(kv_dtype)).
 int decode_ctas_per_sm(int head_dim, DType kv_dtype);

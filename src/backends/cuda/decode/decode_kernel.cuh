@@ -224,8 +224,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
 
   for (int item_index = linear / p.num_kv_heads; item_index < num_items; item_index += gridDim.x) {
     const WorkItem it = plan.items[item_index];
-    using Loader =
-        KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes, false, /*kHinted=*/true>;
+    using Loader = KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes>;
     ItemRows m;
     if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
     // Launched as a programmatic dependent (decode_programmatic_launch), the CTA may run while the kernel before it
@@ -270,10 +269,8 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
 
     ATTNFORGE_TL(if (tl_one) tl_pro[1] = cycles() - tl_t;)
     Loader loader(kv, page_list, kv_head, range_lo, range_hi);
-    // A decode step reads each K/V byte once: evict-first (AttentionParams::kv_evict_first), so that the stream
-    // leaves the rest of L2 alone.
     auto load_tile = [&](int t, int s) {
-      loader.load(t, sK + s * Tr::kTileBytes, sV + s * Tr::kTileBytes, l2_policy(p.kv_evict_first != 0));
+      loader.load(t, sK + s * Tr::kTileBytes, sV + s * Tr::kTileBytes);
     };
     auto fetch_pages = [&](int t) { loader.fetch_pages(t); };
 

@@ -16,20 +16,6 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, uint32
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
                "r"(src_bytes));
 }
-// An L2 eviction policy for cp_async_16_hinted: evict-first for bytes a kernel reads once (a decode step's K/V
-// stream), so that streaming a cache larger than L2 displaces them before anything else (the plan, the page table, Q,
-// the partial states the merge reads next, and whatever the caller keeps there); evict-normal otherwise.
-__device__ __forceinline__ uint64_t l2_policy(bool evict_first) {
-  uint64_t first, normal;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(first));
-  asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(normal));
-  return evict_first ? first : normal;
-}
-// cp_async_16 with an L2 eviction policy (l2_policy).
-__device__ __forceinline__ void cp_async_16_hinted(void* smem, const void* gmem, uint32_t src_bytes, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_address(smem)),
-               "l"(gmem), "r"(src_bytes), "l"(policy));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

@@ -249,9 +249,7 @@ __device__ __forceinline__ float builtin_logit(const VariantParams& vp, const KV
 // kernels that need them. With shared slots, a barrier must separate fetch_pages(t) from load(t) (the main
 // loop's barrier does; the prologue needs one), and S must be the number of pipeline stages.
 // kPanels: 16-bit rows land in wgmma panels (panel_bytes<kTileTokens>) instead of swizzled rows.
-// kHinted: load() copies under the L2 eviction policy it is given (l2_policy; the decode kernel: K/V read once).
-template <int D, int kTileTokens, int kThreads, int kPageSlots = 0, int kElemBytes = 2, bool kPanels = false,
-          bool kHinted = false>
+template <int D, int kTileTokens, int kThreads, int kPageSlots = 0, int kElemBytes = 2, bool kPanels = false>
 struct KVTileLoader {
   static constexpr int kRowBytes = D * kElemBytes;
   static constexpr int kChunks = kRowBytes / 16;
@@ -310,16 +308,7 @@ struct KVTileLoader {
   // instructions of every row's copy (sm_90a SASS, 3354b9e).
   // Shared slots (the prefill kernel) keep the 64-bit products (on the same per-tile base): there the narrow form
   // raised ptxas's spills at head_dim 128 from 36 to 60 bytes.
-  // kHinted: `policy`, made from a kernel parameter where the call is (l2_policy(p.x)), so that ptxas keeps it in
-  // uniform registers: a policy held in the loader took two of the 16-bit d128 decode kernel's 168 registers under
-  // NVRTC (4 bytes of spill).
-  __device__ __forceinline__ void load(int t, void* sK, void* sV, uint64_t policy = 0) const {
-    auto copy = [&](void* dst, const void* src, uint32_t bytes) {
-      if constexpr (kHinted)
-        cp_async_16_hinted(dst, src, bytes, policy);
-      else
-        cp_async_16(dst, src, bytes);
-    };
+  __device__ __forceinline__ void load(int t, void* sK, void* sV) const {
     const int chunk = threadIdx.x % kChunks;
     const uint8_t* k_base = static_cast<const uint8_t*>(kv.k) + kv_head * kv.k_stride_head * kElemBytes + chunk * 16;
     const uint8_t* v_base = static_cast<const uint8_t*>(kv.v) + kv_head * kv.v_stride_head * kElemBytes + chunk * 16;
@@ -350,8 +339,8 @@ struct KVTileLoader {
               same ? ksrc + v_minus_k
                    : v_base + (static_cast<uint64_t>(page) * v_page_bytes + static_cast<uint64_t>(slot) * v_token_bytes);
           const int dst = dst0 + k * kRowGroups * kRowBytes;
-          copy(static_cast<uint8_t*>(sK) + dst, ksrc, 16);
-          copy(static_cast<uint8_t*>(sV) + dst, vsrc, 16);
+          cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, 16);
+          cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc, 16);
         }
         return;
       }
@@ -379,8 +368,8 @@ struct KVTileLoader {
         }
       }
       const int dst = kPanels ? panel_bytes<kTileTokens>(r, chunk) : swizzle_bytes<kRowBytes>(r, chunk);
-      copy(static_cast<uint8_t*>(sK) + dst, ksrc, valid ? 16 : 0);
-      copy(static_cast<uint8_t*>(sV) + dst, vsrc, valid ? 16 : 0);
+      cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, valid ? 16 : 0);
+      cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc, valid ? 16 : 0);
     }
   }
   // The copying warpgroup of prefill_wgmma_ws_body (a token a thread, few registers). fetch_offsets(t) finds the
