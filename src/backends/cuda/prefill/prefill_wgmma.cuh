@@ -143,10 +143,6 @@ struct WgmmaItem {
   int b, rows, row0, group, kv_head, qo_start, qo_len, kv_len, warp_row0, lane, w_max_lo, w_min_hi;
   float scale_log2;
   bool transform;
-  // The item's rows' KV ranges ([lo, hi) of row r at row_kv[r]) where the copier published them (the forms with
-  // two Q buffers, kCopierQ), else null: a masked tile then finds them with row_kv_range (an integer division by the
-  // group and the variant's tests: about 100 instructions a thread, once an item; H200 PC sampling, session 18).
-  const int2* row_kv = nullptr;
 };
 
 // The phases of one K/V tile for one warpgroup's 64 rows (Q at q_addr, the tile's K and V panels at k_addr /
@@ -202,12 +198,7 @@ __device__ __forceinline__ void wgmma_softmax(const AttentionParams& p, const Wg
       for (int h = 0; h < 2; ++h) {
         const int r = c.warp_row0 + c.lane / 4 + 8 * h;
         int lo, hi;
-        if constexpr (Tr::kQBuffers == 2) {  // the copier published them (kCopierQ)
-          const int2 range = c.row_kv[r];
-          lo = range.x, hi = range.y;
-        } else {
-          row_kv_range(vp, it, r, c.rows, c.row0 + r, c.group, c.qo_len, c.kv_len, &lo, &hi);
-        }
+        row_kv_range(vp, it, r, c.rows, c.row0 + r, c.group, c.qo_len, c.kv_len, &lo, &hi);
         const int j0 = tile_start + 2 * (c.lane % 4);  // this lane's first key of the tile
         lo -= j0, hi -= j0;
 #pragma unroll
@@ -744,7 +735,6 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   // still stalled them ~1,700 cycles an item (H200 trace at 1d7130c, "qwait").
   constexpr bool kCopierQ = Tr::kQBuffers == 2;
   __shared__ int4 s_qinfo[2][8], s_qrows[2];
-  __shared__ int2 s_rowkv[kCopierQ ? 2 : 1][kCopierQ ? Tr::kRows : 1];  // kCopierQ: each row's KV range, by buffer
   __shared__ alignas(8) uint64_t q_full[2], q_empty[2];
   uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
   uint8_t* sQ = smem;
@@ -786,7 +776,6 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
       int lo, hi;  // this thread's row, then the warp's union of non-empty rows
       row_kv_range(vp, it, threadIdx.x, m.rows, row0 + threadIdx.x, group, m.qo_len, m.kv_len, &lo, &hi);
-      const int2 row_range = make_int2(lo, hi);  // kCopierQ: published for the computing warps' masked tiles
       // The intersection over the item's rows (rows past them count as the whole item).
       int max_lo = threadIdx.x < m.rows ? lo : it.kv_begin, min_hi = threadIdx.x < m.rows ? hi : it.kv_end;
       if (lo >= hi) lo = it.kv_end, hi = it.kv_begin;
@@ -806,7 +795,6 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         if (q_use > 0) mbar::wait(&q_empty[qb], (q_use & 1) ^ 1);  // its last item's products and store are done
         if ((lane & 15) == 0) s_qinfo[qb][threadIdx.x / 16] = make_int4(lo, hi, max_lo, min_hi);
         if (threadIdx.x == 0) s_qrows[qb] = make_int4(m.qo_start, m.qo_len, m.kv_len, m.rows);
-        s_rowkv[qb][threadIdx.x] = row_range;
         if (p.tma_q_rows) {
           // One box a 64-dim panel: the 128 packed rows from row0 are 128 / group whole tokens (the host encodes the
           // map only where the group divides 128). Rows past the item's hold the next request's queries (or zeros
@@ -1038,8 +1026,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       const uint32_t q_addr = smem_address(sQ + qb * Tr::kQBytes) + 64 * cwg * 128;
       const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
       const WgmmaItem c{it,        m.b,  m.rows,   row0,     group,      kv_head,  m.qo_start, m.qo_len, m.kv_len,
-                        warp_row0, lane, w_max_lo, w_min_hi, scale_log2, transform,
-                        kCopierQ ? s_rowkv[qb] : nullptr};
+                        warp_row0, lane, w_max_lo, w_min_hi, scale_log2, transform};
       WgmmaRows<D> st;
       wgmma_reset_rows(st);
       ATTNFORGE_TRACE(tr.lap(tr.setup); tr.tiles += num_tiles;)
