@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Where a kernel's warps stall, by instruction or source line: reads the CSV that
-`ncu --import R --page source --csv --print-source sass` (or `cuda`) writes for a report collected with the
-SourceCounters section (PC sampling), and prints the sampled total, the lines with the most samples and, with
---window, the samples summed over runs of consecutive lines (a loop, a phase) so that a phase spread over many
+"""Where a kernel's warps stall, instruction by instruction: reads the CSV that
+`ncu --import R --page source --csv --print-source sass` writes for a report collected with the SourceCounters
+section (PC sampling), and prints the sampled total, the instructions with the most samples and, with --window,
+the samples summed over runs of consecutive instructions (a loop, a phase) so that a phase spread over many
 instructions shows up as one figure.
 
   scripts/ncu_source.py source.csv [--top 40] [--window 32]
