@@ -148,6 +148,9 @@ struct AttentionParams {
   // x group heads x 128 / group tokens).
   int32_t tma_q_rows;
   TensorMap tma_q;
+  // CUDA, Hopper prefill kernel (ATTNFORGE_PREFILL_NARROW, default on): a computing warpgroup's tile whose last keys
+  // none of its rows sees takes products over the first 32, 64 or 96 tokens only. Set by the backend at launch.
+  int32_t narrow_tiles;
 };
 
 }  // namespace attnforge

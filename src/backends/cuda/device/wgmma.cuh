@@ -147,7 +147,7 @@ __device__ __forceinline__ void m64n128k16_rs_tb(float d[64], const uint32_t a[4
                                                  F16) {
   ATTNFORGE_WGMMA_RS128("f16", "1");
 }
-// N = 32 (16 accumulator registers): S over the 32-token K tiles of head_dim 256, whose O takes 128.
+// N = 32 (16 accumulator registers): S over a K tile's first 32 tokens (a warpgroup's narrow last tile).
 #define ATTNFORGE_WGMMA_SS32(TYPE)                                                                                 \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                       \
                "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                                    \
@@ -161,6 +161,34 @@ __device__ __forceinline__ void m64n32k16_ss(float d[16], uint64_t a, uint64_t b
 __device__ __forceinline__ void m64n32k16_ss(float d[16], uint64_t a, uint64_t b, bool accumulate, F16) {
   ATTNFORGE_WGMMA_SS32("f16");
 }
+// N = 96 (48 accumulator registers): S over a K tile's first 96 tokens (prefill_wgmma.cuh: a warpgroup's last
+// tile of an item computes only the tokens its rows can see, rounded up to 32).
+#define ATTNFORGE_WGMMA_D48 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+  "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), \
+  "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
+  "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), \
+  "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), \
+  "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+#define ATTNFORGE_WGMMA_REGS48 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
+#define ATTNFORGE_WGMMA_SS96(TYPE)                                                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"                                                       \
+               "wgmma.mma_async.sync.aligned.m64n96k16.f32." TYPE "." TYPE " " ATTNFORGE_WGMMA_REGS48             \
+               ", %48, %49, p, 1, 1, 0, 0;\n}\n"                                                                  \
+               : ATTNFORGE_WGMMA_D48                                                                              \
+               : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+__device__ __forceinline__ void m64n96k16_ss(float d[48], uint64_t a, uint64_t b, bool accumulate, Bf16) {
+  ATTNFORGE_WGMMA_SS96("bf16");
+}
+__device__ __forceinline__ void m64n96k16_ss(float d[48], uint64_t a, uint64_t b, bool accumulate, F16) {
+  ATTNFORGE_WGMMA_SS96("f16");
+}
+#undef ATTNFORGE_WGMMA_SS96
+#undef ATTNFORGE_WGMMA_D48
+#undef ATTNFORGE_WGMMA_REGS48
 #undef ATTNFORGE_WGMMA_SS32
 #undef ATTNFORGE_WGMMA_SS128
 #undef ATTNFORGE_WGMMA_RS128

@@ -199,13 +199,15 @@ bool launch_prefill_wgmma(const AttentionParams& p, const KernelDims& dims, cuda
   // kernel's CTAs hold kPrefillWgmmaRows.
   KernelDims wd = dims;
   wd.grid.z = (dims.grid.z * prefill_plan_rows(p) + kPrefillWgmmaRows - 1) / kPrefillWgmmaRows;
+  AttentionParams np = p;
+  np.narrow_tiles = prefill_narrow_tiles() ? 1 : 0;
   const bool bf16 = p.q_dtype == DType::kBFloat16;
   if (d == 64)
-    bf16 ? launch_wgmma<64, Bf16>(p, wd, stream) : launch_wgmma<64, F16>(p, wd, stream);
+    bf16 ? launch_wgmma<64, Bf16>(np, wd, stream) : launch_wgmma<64, F16>(np, wd, stream);
   else if (d == 256)
-    bf16 ? launch_wgmma<256, Bf16>(p, wd, stream) : launch_wgmma<256, F16>(p, wd, stream);
+    bf16 ? launch_wgmma<256, Bf16>(np, wd, stream) : launch_wgmma<256, F16>(np, wd, stream);
   else
-    bf16 ? launch_wgmma<128, Bf16>(p, wd, stream) : launch_wgmma<128, F16>(p, wd, stream);
+    bf16 ? launch_wgmma<128, Bf16>(np, wd, stream) : launch_wgmma<128, F16>(np, wd, stream);
   return true;
 }
 
@@ -289,6 +291,11 @@ int kv_tma_box_slots(const KVParams& kv, int tile_tokens) {
 
 bool prefill_tma_store() {
   static const bool on = detail::env_choice("ATTNFORGE_PREFILL_TMA_STORE", {"1", "0"}, "1") == "1";
+  return on;
+}
+
+bool prefill_narrow_tiles() {
+  static const bool on = detail::env_choice("ATTNFORGE_PREFILL_NARROW", {"1", "0"}, "1") == "1";
   return on;
 }
 

@@ -61,6 +61,10 @@ int kv_tma_box_slots(const KVParams& kv, int tile_tokens);
 // neither.
 bool prefill_tma_store();
 bool prefill_tma_q();
+// Whether the Hopper kernel's warp-specialized and pipelined forms compute a warpgroup's tile only up to the last
+// key its rows see, rounded up to 32 tokens (AttentionParams::narrow_tiles): ATTNFORGE_PREFILL_NARROW "1" (the
+// default) or "0" (every tile whole). Read once.
+bool prefill_narrow_tiles();
 // Whether Q's (out false) or O's layout can be copied in boxes of `rows` packed rows (tma.h: qo_tensor_map): 16-bit
 // elements (O in Q's type), `group` (query heads per KV head) dividing `rows`, a 16-byte aligned address and
 // strides.

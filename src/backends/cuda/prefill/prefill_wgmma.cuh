@@ -150,21 +150,28 @@ struct WgmmaItem {
 // (wgmma_softmax), P packed (wgmma_pack_p), O += P V issued (wgmma_issue_pv). wgmma_attend_tile runs them in order,
 // waiting for each product; the overlapped form issues tile t's S with tile t - 1's P V and runs tile t's softmax
 // while that product runs.
-template <class Tr>
-__device__ __forceinline__ void wgmma_issue_s(float (&s_acc)[Tr::kTileTokens / 2], uint32_t q_addr, uint32_t k_addr) {
+// kN: the tile's first kN tokens only (a multiple of 32, at most N): a warpgroup's last tile of an item whose rows see
+// no key past them (wgmma_consume_tiles); the stage keeps its N-token panels.
+template <class Tr, int kN = Tr::kTileTokens>
+__device__ __forceinline__ void wgmma_issue_s(float (&s_acc)[kN / 2], uint32_t q_addr, uint32_t k_addr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, N = Tr::kTileTokens;
-  // S = Q K^T (64 rows x N tokens), 16 head dims a product: panel k / 4, step k % 4 in it.
+  static_assert(kN % 32 == 0 && kN <= N, "32 to N tokens");
+  // S = Q K^T (64 rows x kN tokens), 16 head dims a product: panel k / 4, step k % 4 in it.
   wgmma::fence();
 #pragma unroll
   for (int k = 0; k < D / 16; ++k) {
     const uint64_t q_desc = wgmma::k_major(q_addr + (k / 4) * (Tr::kRows * 128), k % 4);
     const uint64_t k_desc = wgmma::k_major(k_addr + (k / 4) * (N * 128), k % 4);
-    if constexpr (N == 128)
+    if constexpr (kN == 128)
       wgmma::m64n128k16_ss(s_acc, q_desc, k_desc, k > 0, Elem{});
-    else
+    else if constexpr (kN == 96)
+      wgmma::m64n96k16_ss(s_acc, q_desc, k_desc, k > 0, Elem{});
+    else if constexpr (kN == 64)
       wgmma::m64n64k16_ss(s_acc, q_desc, k_desc, k > 0, Elem{});
+    else
+      wgmma::m64n32k16_ss(s_acc, q_desc, k_desc, k > 0, Elem{});
   }
   wgmma::commit();
 #endif
@@ -175,11 +182,11 @@ __device__ __forceinline__ void wgmma_issue_s(float (&s_acc)[Tr::kTileTokens / 2
 // accumulated by the last tile's product meanwhile).
 // kRangesOnly: the caller knows there is no soft-cap, ALiBi or custom mask (the overlapped form, which the host
 // launches only then): the per-key path is not compiled in.
-template <class Tr, bool kRangesOnly = false>
+template <class Tr, bool kRangesOnly = false, int kN = Tr::kTileTokens>
 __device__ __forceinline__ void wgmma_softmax(const AttentionParams& p, const WgmmaItem& c,
-                                              WgmmaRows<Tr::kHeadDim>& st, float (&s_acc)[Tr::kTileTokens / 2],
-                                              int tile_start, float (&corr)[2]) {
-  constexpr int N = Tr::kTileTokens;
+                                              WgmmaRows<Tr::kHeadDim>& st, float (&s_acc)[kN / 2], int tile_start,
+                                              float (&corr)[2]) {
+  constexpr int N = kN;  // the keys computed (the plain-tile test asks for these alone)
   const VariantParams& vp = p.variant;
   const KVParams& kv = p.kv;
   const WorkItem& it = c.it;
@@ -252,12 +259,11 @@ __device__ __forceinline__ void wgmma_softmax(const AttentionParams& p, const Wg
 }
 
 // P's k16 fragment kt: the accumulators of n8 blocks 2 kt and 2 kt + 1, in Q's type.
-template <class Tr>
-__device__ __forceinline__ void wgmma_pack_p(const float (&s_acc)[Tr::kTileTokens / 2],
-                                             uint32_t (&p_frag)[Tr::kTileTokens / 16][4]) {
+template <class Tr, int kN = Tr::kTileTokens>
+__device__ __forceinline__ void wgmma_pack_p(const float (&s_acc)[kN / 2], uint32_t (&p_frag)[kN / 16][4]) {
   using Elem = typename Tr::Elem;
 #pragma unroll
-  for (int kt = 0; kt < Tr::kTileTokens / 16; ++kt) {
+  for (int kt = 0; kt < kN / 16; ++kt) {
     p_frag[kt][0] = pack2(s_acc[8 * kt + 0], s_acc[8 * kt + 1], Elem{});
     p_frag[kt][1] = pack2(s_acc[8 * kt + 2], s_acc[8 * kt + 3], Elem{});
     p_frag[kt][2] = pack2(s_acc[8 * kt + 4], s_acc[8 * kt + 5], Elem{});
@@ -265,16 +271,16 @@ __device__ __forceinline__ void wgmma_pack_p(const float (&s_acc)[Tr::kTileToken
   }
 }
 
-// O += P V, 16 tokens a product, issued and committed.
-template <class Tr>
-__device__ __forceinline__ void wgmma_issue_pv(float (&o_acc)[Tr::kHeadDim / 2],
-                                               const uint32_t (&p_frag)[Tr::kTileTokens / 16][4], uint32_t v_addr) {
+// O += P V, 16 tokens a product (the tile's first kN), issued and committed.
+template <class Tr, int kN = Tr::kTileTokens>
+__device__ __forceinline__ void wgmma_issue_pv(float (&o_acc)[Tr::kHeadDim / 2], const uint32_t (&p_frag)[kN / 16][4],
+                                               uint32_t v_addr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Elem = typename Tr::Elem;
   constexpr int D = Tr::kHeadDim, N = Tr::kTileTokens;
   wgmma::fence();
 #pragma unroll
-  for (int kt = 0; kt < N / 16; ++kt) {
+  for (int kt = 0; kt < kN / 16; ++kt) {
     const uint64_t v_desc = wgmma::mn_major(v_addr, kt, N * 128);
     if constexpr (D == 256) {  // two products of 128 dims (panels 0-1, 2-3)
       wgmma::m64n128k16_rs_tb(o_acc, p_frag[kt], v_desc, true, Elem{});
@@ -290,25 +296,48 @@ __device__ __forceinline__ void wgmma_issue_pv(float (&o_acc)[Tr::kHeadDim / 2],
 #endif
 }
 
-// One K/V tile, its phases in order; returns when both products have completed.
-template <class Tr>
+// One K/V tile (its first kN tokens), its phases in order; returns when both products have completed.
+// kRangesOnly: as wgmma_softmax's.
+template <class Tr, int kN = Tr::kTileTokens, bool kRangesOnly = false>
 __device__ __forceinline__ void wgmma_attend_tile(const AttentionParams& p, const WgmmaItem& c,
                                                   WgmmaRows<Tr::kHeadDim>& st, uint32_t q_addr, uint32_t k_addr,
                                                   uint32_t v_addr, int tile_start) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int N = Tr::kTileTokens;
-  float s_acc[N / 2];
-  wgmma_issue_s<Tr>(s_acc, q_addr, k_addr);
+  float s_acc[kN / 2];
+  wgmma_issue_s<Tr, kN>(s_acc, q_addr, k_addr);
   wgmma::wait<0>();
   float corr[2];
-  wgmma_softmax<Tr>(p, c, st, s_acc, tile_start, corr);
+  wgmma_softmax<Tr, kRangesOnly, kN>(p, c, st, s_acc, tile_start, corr);
 #pragma unroll
   for (int i = 0; i < Tr::kHeadDim / 2; ++i) st.o_acc[i] *= corr[(i % 4) / 2];
-  uint32_t p_frag[N / 16][4];
-  wgmma_pack_p<Tr>(s_acc, p_frag);
-  wgmma_issue_pv<Tr>(st.o_acc, p_frag, v_addr);
+  uint32_t p_frag[kN / 16][4];
+  wgmma_pack_p<Tr, kN>(s_acc, p_frag);
+  wgmma_issue_pv<Tr, kN>(st.o_acc, p_frag, v_addr);
   wgmma::wait<0>();
 #endif
+}
+
+// A tile from tile_start whose keys past `hi` no row of the warpgroup sees: its first kN tokens, kN the smallest
+// multiple of 32 that covers them where p.narrow_tiles allows (ATTNFORGE_PREFILL_NARROW) and the masks are the rows'
+// KV ranges alone (no soft-cap, ALiBi or custom mask: the narrow forms compile only that softmax, about 1,000 SASS
+// instructions each where the per-key one doubles them), else all N. The causal diagonal of a 32-token query tile
+// (128 packed rows at group 4) leaves 16 to 112 of a 128-token tile's keys unseen; in a batch of short requests
+// that was 4.4% of the products (ragged 16 x [512, 4096]).
+template <class Tr>
+__device__ __forceinline__ void wgmma_attend_tile_upto(const AttentionParams& p, const WgmmaItem& c,
+                                                       WgmmaRows<Tr::kHeadDim>& st, uint32_t q_addr, uint32_t k_addr,
+                                                       uint32_t v_addr, int tile_start, int hi) {
+  constexpr int N = Tr::kTileTokens;
+  const bool narrow = p.narrow_tiles && !c.transform && !p.variant.custom_mask;
+  const int need = narrow ? (min(hi - tile_start, N) + 31) / 32 * 32 : N;
+  if (need >= N) return wgmma_attend_tile<Tr>(p, c, st, q_addr, k_addr, v_addr, tile_start);
+  if constexpr (N == 128) {
+    if (need == 96) return wgmma_attend_tile<Tr, 96, true>(p, c, st, q_addr, k_addr, v_addr, tile_start);
+  }
+  if constexpr (N >= 128) {
+    if (need == 64) return wgmma_attend_tile<Tr, 64, true>(p, c, st, q_addr, k_addr, v_addr, tile_start);
+  }
+  wgmma_attend_tile<Tr, 32, true>(p, c, st, q_addr, k_addr, v_addr, tile_start);
 }
 
 // Each row's state is complete in its quad of lanes: normalize and write it, as prefill_kernel.
@@ -425,8 +454,8 @@ __device__ __forceinline__ void wgmma_consume_tiles(const AttentionParams& p, co
     wgmma::fence_operands();  // the copier's copies, seen through the barrier, before the tensor cores read
     const int tile_start = range_lo + t * N;
     if (tile_start < g_hi && tile_start + N > g_lo)  // some row of this warpgroup sees the tile
-      wgmma_attend_tile<Tr>(p, c, st, q_addr, smem_address(sK + s * Tr::kStageBytes),
-                            smem_address(sV + s * Tr::kStageBytes), tile_start);
+      wgmma_attend_tile_upto<Tr>(p, c, st, q_addr, smem_address(sK + s * Tr::kStageBytes),
+                                 smem_address(sV + s * Tr::kStageBytes), tile_start, g_hi);
     mbar::arrive(&empty[s]);
     ATTNFORGE_TRACE(const bool tr_is_plain = !c.transform && !p.variant.custom_mask && tile_start >= c.w_max_lo &&
                                              tile_start + N <= c.w_min_hi;
