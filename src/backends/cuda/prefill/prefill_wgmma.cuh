@@ -95,8 +95,8 @@ struct PrefillWgmmaTraits {
   // registers it was launched with (ptxas: 168 a thread at 384 threads, 64,512 in all) and setmaxnreg.inc waits until
   // the pool holds what it asks for: 128 x 24 + 2 x 128 x 240 = 64,512 exactly (32 for the producer hung the kernel
   // on the H200: 65,536). ptxas sm_90a: 36 bytes of spill at head_dim 128 (12 with the producer at 32).
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
   static_assert(!kWarpSpecialized || 128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg would ask for more registers than the CTA was launched with, and wait forever");
   // 128 packed rows a CTA at every head dim (the planner's tiles where this kernel serves: prefill_tile_rows), 64
