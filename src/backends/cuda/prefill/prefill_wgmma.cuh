@@ -95,8 +95,8 @@ struct PrefillWgmmaTraits {
   // registers it was launched with (ptxas: 168 a thread at 384 threads, 64,512 in all) and setmaxnreg.inc waits until
   // the pool holds what it asks for: 128 x 24 + 2 x 128 x 240 = 64,512 exactly (32 for the producer hung the kernel
   // on the H200: 65,536). ptxas sm_90a: 36 bytes of spill at head_dim 128 (12 with the producer at 32).
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
   static_assert(!kWarpSpecialized || 128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg would ask for more registers than the CTA was launched with, and wait forever");
   // 128 packed rows a CTA at every head dim (the planner's tiles where this kernel serves: prefill_tile_rows), 64
@@ -761,11 +761,9 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   // q_empty (the 256 computing threads are done with the buffer: products, staged store or boxes of O).
   // The copier also publishes the item's rows (ItemRows: request start, query and KV lengths, rows) in s_qrows, so
   // the computing warpgroups never wait on the plan's qo_indptr and kv_len: those dependent loads, made a pair ahead,
-  // still stalled them ~1,700 cycles an item (H200 trace at 1d7130c, "qwait"). And the WorkItem itself with its KV
-  // head in s_qitem (request, qo_begin, qo_end, kv_begin; kv_end, partial_row, KV head, 0): the computing warpgroups
-  // take their items from the copier alone, which ends with a KV head of -1.
+  // still stalled them ~1,700 cycles an item (H200 trace at 1d7130c, "qwait").
   constexpr bool kCopierQ = Tr::kQBuffers == 2;
-  __shared__ int4 s_qinfo[2][8], s_qrows[2], s_qitem[2][2];
+  __shared__ int4 s_qinfo[2][8], s_qrows[2];
   __shared__ alignas(8) uint64_t q_full[2], q_empty[2];
   uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
   uint8_t* sQ = smem;
@@ -825,11 +823,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         const uint32_t q_use = q_items++ / 2;
         if (q_use > 0) mbar::wait(&q_empty[qb], (q_use & 1) ^ 1);  // its last item's products and store are done
         if ((lane & 15) == 0) s_qinfo[qb][threadIdx.x / 16] = make_int4(lo, hi, max_lo, min_hi);
-        if (threadIdx.x == 0) {
-          s_qrows[qb] = make_int4(m.qo_start, m.qo_len, m.kv_len, m.rows);
-          s_qitem[qb][0] = make_int4(it.request, it.qo_begin, it.qo_end, it.kv_begin);
-          s_qitem[qb][1] = make_int4(it.kv_end, it.partial_row, kv_head, 0);
-        }
+        if (threadIdx.x == 0) s_qrows[qb] = make_int4(m.qo_start, m.qo_len, m.kv_len, m.rows);
         if (p.tma_q_rows) {
           // One box a 64-dim panel: the 128 packed rows from row0 are 128 / group whole tokens (the host encodes the
           // map only where the group divides 128). Rows past the item's hold the next request's queries (or zeros
@@ -945,15 +939,6 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       if constexpr (kOverlap)
         if (num_tiles > 0) load_v(num_tiles - 1, (count - 1) % S, (count - 1) / S);
     }
-    if constexpr (kCopierQ) {
-      // The end, handed over as an item of KV head -1 in the next Q buffer (once its last item is done with it).
-      const int qb = q_items & 1;
-      const uint32_t q_use = q_items / 2;
-      if (q_use > 0) mbar::wait(&q_empty[qb], (q_use & 1) ^ 1);
-      if (threadIdx.x == 0) s_qitem[qb][1] = make_int4(0, 0, -1, 0);
-      mbar::arrive(&q_full[qb]);
-      if (threadIdx.x == 0) mbar::arrive(&q_full[qb]);  // the count's 129th arrival (no Q bytes to wait for)
-    }
     ATTNFORGE_TRACE(if (threadIdx.x == 0) trace_add(0, {tr_items, tr_tiles, clock64() - tr_begin, tr_range, tr_fetch,
                                                         tr_empty, tr_load});)
     grid_launch_dependents();
@@ -975,9 +960,98 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
     const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
     const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
     ATTNFORGE_TRACE(ConsumerTrace tr;)
-    // An item (its Q in buffer qb, its bounds found) from the tiles to its rows written; `last`: this CTA's last.
-    auto attend_item = [&](const WorkItem& it, const ItemRows& m, int kv_head, int qb, int w_max_lo, int w_min_hi,
-                           int range_lo, int range_hi, int g_lo, int g_hi, bool last) {
+    // The pairs' metadata runs ahead of the loop (an item's setup was 5,300 cycles, H200 trace at 6cedce2, mostly
+    // the dependent global loads of plan.items and then qo_indptr and kv_len): the next pair's WorkItem and rows
+    // and the WorkItem after it, loaded while the current pair's tiles run and first used by the next iteration.
+    auto item_at = [&](int w) {
+      const int h = w / num_items;
+      return plan.items[num_items - 1 - (w - h * num_items)];
+    };
+    // kCopierQ: the rows come with Q (s_qrows); whether the item has any from row0 on needs the WorkItem alone.
+    auto has_rows = [&](const WorkItem& x, ItemRows& xm) {
+      if constexpr (kCopierQ)
+        return row0 < (x.qo_end - x.qo_begin) * group;
+      else
+        return item_rows<Tr::kRows>(plan, x, group, row0, xm);
+    };
+    WorkItem it_next{}, it_after{};
+    ItemRows m_next{};
+    bool ok_next = false;
+    if (blockIdx.x < num_work) {
+      it_next = item_at(blockIdx.x);
+      ok_next = has_rows(it_next, m_next);
+    }
+    if (blockIdx.x + gridDim.x < num_work) it_after = item_at(blockIdx.x + gridDim.x);
+    for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+      ATTNFORGE_TRACE(tr.lap(tr.between); ++tr.items;)
+      const int kv_head = w / num_items;
+      const WorkItem it = it_next;
+      ItemRows m = m_next;
+      const bool ok = ok_next;
+      const int w_next = w + gridDim.x;
+      it_next = it_after;
+      ok_next = w_next < num_work && has_rows(it_next, m_next);
+      if (w_next + gridDim.x < num_work) it_after = item_at(w_next + gridDim.x);
+      if (!ok) continue;
+      int w_max_lo, w_min_hi, range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
+      int qb = 0;  // the buffer of this item's Q
+      if constexpr (kCopierQ) {
+        // The copier's Q and bounds (s_qinfo); then the buffer of the last item's boxes of O, if this thread issued
+        // them, is released once they have read it (issued before this wait, so normally done by now).
+        qb = q_items & 1;
+        mbar::wait(&q_full[qb], (q_items++ / 2) & 1);
+        ATTNFORGE_TRACE(tr.lap(tr.qwait);)
+        if (q_release >= 0) {
+          tma::store_wait_read();
+          mbar::arrive(&q_empty[q_release]);
+          q_release = -1;
+        }
+        wgmma::fence_operands();  // Q, copied by the copier and seen through the barrier, before the tensor cores
+        const int4 rows = s_qrows[qb];
+        m.b = it.request, m.qo_start = rows.x, m.qo_len = rows.y, m.kv_len = rows.z, m.rows = rows.w;
+        const int4 own = s_qinfo[qb][warp - 4];
+        w_max_lo = own.z, w_min_hi = own.w;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int4 b = s_qinfo[qb][i];
+          if (b.x >= b.y) continue;
+          range_lo = min(range_lo, b.x), range_hi = max(range_hi, b.y);
+          if (i / 4 == cwg) g_lo = min(g_lo, b.x), g_hi = max(g_hi, b.y);
+        }
+      } else {
+        // One Q buffer (head_dim 256): this warpgroup copies its own rows (the other's half may still be read by
+        // its products of the last item). Its warp's own rows' bounds, and the union with the other warpgroup's
+        // rows (r ^ 64: the CTA's range, as the copier finds it).
+        load_q(it, m, kv_head);
+        cp_async_commit();
+        int w_lo, w_hi;
+        wgmma_row_bounds(vp, it, m, row0, group, warp_row0, lane, w_lo, w_hi, w_max_lo, w_min_hi);
+        int a_lo = it.kv_end, a_hi = it.kv_begin;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = (warp_row0 + lane / 4 + 8 * h) ^ 64;
+          int lo, hi;
+          row_kv_range(vp, it, r, m.rows, row0 + r, group, m.qo_len, m.kv_len, &lo, &hi);
+          if (lo < hi) a_lo = min(a_lo, lo), a_hi = max(a_hi, hi);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          a_lo = min(a_lo, __shfl_xor_sync(0xffffffffu, a_lo, o));
+          a_hi = max(a_hi, __shfl_xor_sync(0xffffffffu, a_hi, o));
+        }
+        if (lane == 0)
+          s_wg_bounds[cwg][parity][warp & 3] = make_int4(w_lo, w_hi, min(a_lo, w_lo), max(a_hi, w_hi));
+        cp_async_wait<0>();
+        wgmma::fence_operands();         // this warpgroup's Q, visible to the tensor cores
+        mbar::named_sync(4 + cwg, 128);  // its Q and bounds are in
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int4 b = s_wg_bounds[cwg][parity][i];
+          if (b.x < b.y) g_lo = min(g_lo, b.x), g_hi = max(g_hi, b.y);
+          range_lo = min(range_lo, b.z), range_hi = max(range_hi, b.w);
+        }
+        parity ^= 1;
+      }
       const uint32_t q_addr = smem_address(sQ + qb * Tr::kQBytes) + 64 * cwg * 128;
       const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + N - 1) / N : 0;
       const WgmmaItem c{it,        m.b,  m.rows,   row0,     group,      kv_head,  m.qo_start, m.qo_len, m.kv_len,
@@ -1058,7 +1132,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       if constexpr (!kOverlap)
         wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo,
                                 g_hi ATTNFORGE_TRACE(, tr));
-      if (last) grid_launch_dependents();  // this CTA's last item
+      if (w + gridDim.x >= num_work) grid_launch_dependents();  // this CTA's last item
       // Staged through its own rows of Q (which the next item's Q load waits for), by boxes of O where the host
       // encoded the map (kCopierQ only: the issuing thread releases the buffer later, the others now).
       const bool boxed = wgmma_store_item<Tr>(p, c, st, sQ + qb * Tr::kQBytes + 64 * cwg * 128, 64 * cwg, 4 + cwg,
@@ -1070,108 +1144,6 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
           mbar::arrive(&q_empty[qb]);
       }
       ATTNFORGE_TRACE(tr.lap(tr.store);)
-    };
-    if constexpr (kCopierQ) {
-      // The copier hands each item over with its Q: the WorkItem and KV head in s_qitem, the rows in s_qrows, the
-      // warps' bounds in s_qinfo; an item of KV head -1 ends the CTA's work. So the computing warpgroups read no
-      // plan metadata from global memory: loading the next items' WorkItems here (plan.items behind the plan's
-      // pointer, two dependent trips) stalled them about 1,600 cycles an item where ptxas spilled a field of the
-      // load at once (H200 trace at d30ec28, "between"; SASS at bccb705).
-      for (;;) {
-        ATTNFORGE_TRACE(tr.lap(tr.between);)
-        const int qb = q_items & 1;
-        mbar::wait(&q_full[qb], (q_items++ / 2) & 1);
-        ATTNFORGE_TRACE(tr.lap(tr.qwait);)
-        // The buffer of the last item's boxes of O, if this thread issued them, is released once they have read
-        // it (issued before this wait, so normally done by now).
-        if (q_release >= 0) {
-          tma::store_wait_read();
-          mbar::arrive(&q_empty[q_release]);
-          q_release = -1;
-        }
-        const int4 x0 = s_qitem[qb][0], x1 = s_qitem[qb][1];
-        if (x1.z < 0) break;
-        ATTNFORGE_TRACE(++tr.items;)
-        const WorkItem it{x0.x, x0.y, x0.z, x0.w, x1.x, x1.y};
-        wgmma::fence_operands();  // Q, copied by the copier and seen through the barrier, before the tensor cores
-        const int4 rows = s_qrows[qb];
-        ItemRows m;
-        m.b = it.request, m.qo_start = rows.x, m.qo_len = rows.y, m.kv_len = rows.z, m.rows = rows.w;
-        const int4 own = s_qinfo[qb][warp - 4];
-        int range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int4 b = s_qinfo[qb][i];
-          if (b.x >= b.y) continue;
-          range_lo = min(range_lo, b.x), range_hi = max(range_hi, b.y);
-          if (i / 4 == cwg) g_lo = min(g_lo, b.x), g_hi = max(g_hi, b.y);
-        }
-        attend_item(it, m, x1.z, qb, own.z, own.w, range_lo, range_hi, g_lo, g_hi, false);
-      }
-      grid_launch_dependents();
-    } else {
-      // One Q buffer (head_dim 256). The pairs' metadata runs ahead of the loop (an item's setup was 5,300 cycles,
-      // H200 trace at 6cedce2, mostly the dependent global loads of plan.items and then qo_indptr and kv_len): the
-      // next pair's WorkItem and rows and the WorkItem after it, loaded while the current pair's tiles run and first
-      // used by the next iteration.
-      auto item_at = [&](int w) {
-        const int h = w / num_items;
-        return plan.items[num_items - 1 - (w - h * num_items)];
-      };
-      WorkItem it_next{}, it_after{};
-      ItemRows m_next{};
-      bool ok_next = false;
-      if (blockIdx.x < num_work) {
-        it_next = item_at(blockIdx.x);
-        ok_next = item_rows<Tr::kRows>(plan, it_next, group, row0, m_next);
-      }
-      if (blockIdx.x + gridDim.x < num_work) it_after = item_at(blockIdx.x + gridDim.x);
-      for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
-        ATTNFORGE_TRACE(tr.lap(tr.between); ++tr.items;)
-        const int kv_head = w / num_items;
-        const WorkItem it = it_next;
-        ItemRows m = m_next;
-        const bool ok = ok_next;
-        const int w_next = w + gridDim.x;
-        it_next = it_after;
-        ok_next = w_next < num_work && item_rows<Tr::kRows>(plan, it_next, group, row0, m_next);
-        if (w_next + gridDim.x < num_work) it_after = item_at(w_next + gridDim.x);
-        if (!ok) continue;
-        int w_max_lo, w_min_hi, range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
-        // One Q buffer (head_dim 256): this warpgroup copies its own rows (the other's half may still be read by
-        // its products of the last item). Its warp's own rows' bounds, and the union with the other warpgroup's
-        // rows (r ^ 64: the CTA's range, as the copier finds it).
-        load_q(it, m, kv_head);
-        cp_async_commit();
-        int w_lo, w_hi;
-        wgmma_row_bounds(vp, it, m, row0, group, warp_row0, lane, w_lo, w_hi, w_max_lo, w_min_hi);
-        int a_lo = it.kv_end, a_hi = it.kv_begin;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = (warp_row0 + lane / 4 + 8 * h) ^ 64;
-          int lo, hi;
-          row_kv_range(vp, it, r, m.rows, row0 + r, group, m.qo_len, m.kv_len, &lo, &hi);
-          if (lo < hi) a_lo = min(a_lo, lo), a_hi = max(a_hi, hi);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          a_lo = min(a_lo, __shfl_xor_sync(0xffffffffu, a_lo, o));
-          a_hi = max(a_hi, __shfl_xor_sync(0xffffffffu, a_hi, o));
-        }
-        if (lane == 0)
-          s_wg_bounds[cwg][parity][warp & 3] = make_int4(w_lo, w_hi, min(a_lo, w_lo), max(a_hi, w_hi));
-        cp_async_wait<0>();
-        wgmma::fence_operands();         // this warpgroup's Q, visible to the tensor cores
-        mbar::named_sync(4 + cwg, 128);  // its Q and bounds are in
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int4 b = s_wg_bounds[cwg][parity][i];
-          if (b.x < b.y) g_lo = min(g_lo, b.x), g_hi = max(g_hi, b.y);
-          range_lo = min(range_lo, b.z), range_hi = max(range_hi, b.w);
-        }
-        parity ^= 1;
-        attend_item(it, m, kv_head, 0, w_max_lo, w_min_hi, range_lo, range_hi, g_lo, g_hi, w_next >= num_work);
-      }
     }
     if constexpr (kCopierQ)
       if (q_release >= 0) tma::store_wait();  // the boxes' reads of shared memory and writes of O, before exit
