@@ -704,17 +704,14 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
   const std::string dev = fmt::format("{} {}", to_string(device.device), device.name);
   // Which kernel ran the prefill cases (backends/cuda/prefill/prefill.h), so a record says what it measured.
   const char* wgmma_mode[] = {"auto", "0", "1"};
-  const char* tma_mode[] = {"0", "ragged", "auto", "1"};  // PrefillTma's order
   const char* wgmma_form[] = {" (barrier form)", " (warp-specialized)", " (warp-specialized, pipelined over items)",
                               " (warp-specialized, pipelined over items, softmax overlapped with P V)"};
   const std::string prefill_kernels = fmt::format(
       "ATTNFORGE_PREFILL_WGMMA={}: {}", wgmma_mode[static_cast<int>(cuda::prefill_wgmma())],
       cuda::prefill_wgmma_serves(128, 128)
           ? fmt::format("Hopper wgmma kernel{} for 128-row tiles of head_dim 64, 128 and 256 without RoPE, portable "
-                        "otherwise; ATTNFORGE_PREFILL_TMA={} _TMA_Q={} _TMA_STORE={} _NARROW={}",
-                        wgmma_form[cuda::prefill_wgmma_form()], tma_mode[static_cast<int>(cuda::prefill_tma())],
-                        cuda::prefill_tma_q() ? 1 : 0, cuda::prefill_tma_store() ? 1 : 0,
-                        cuda::prefill_narrow_tiles() ? 1 : 0)
+                        "otherwise; {}",
+                        wgmma_form[cuda::prefill_wgmma_form()], cuda::prefill_copy_settings())
           : std::string("portable mma.sync kernel"));
   fmt::print("attnforge bench, suite {}-gpu: {}\n", options.suite, build_info());
   fmt::print("device {}: {}\n", dev, device.description);

@@ -264,15 +264,23 @@ int prefill_tile_rows(int head_dim) {
   return prefill_wgmma_serves(head_dim, kPrefillWgmmaRows) ? kPrefillWgmmaRows : prefill_rows(head_dim);
 }
 
+// ATTNFORGE_PREFILL_TMA's values, in PrefillTma's order.
+constexpr const char* kPrefillTmaNames[] = {"0", "ragged", "auto", "1"};
+
 PrefillTma prefill_tma() {
   static const PrefillTma mode = [] {
     const std::string v = detail::env_choice("ATTNFORGE_PREFILL_TMA", {"auto", "0", "1", "ragged"}, "auto");
-    return v == "0"        ? PrefillTma::kOff
-           : v == "ragged" ? PrefillTma::kRagged
-           : v == "1"      ? PrefillTma::kAll
-                           : PrefillTma::kAuto;
+    int i = 0;
+    while (v != kPrefillTmaNames[i]) ++i;
+    return static_cast<PrefillTma>(i);
   }();
   return mode;
+}
+
+std::string prefill_copy_settings() {
+  return std::string("ATTNFORGE_PREFILL_TMA=") + kPrefillTmaNames[static_cast<int>(prefill_tma())] +
+         " _TMA_Q=" + (prefill_tma_q() ? "1" : "0") + " _TMA_STORE=" + (prefill_tma_store() ? "1" : "0") +
+         " _NARROW=" + (prefill_narrow_tiles() ? "1" : "0");
 }
 
 int kv_tma_box_slots(const KVParams& kv, int tile_tokens) {

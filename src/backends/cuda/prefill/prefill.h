@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "attnforge/kernel/params.h"
 #include "backends/cuda/kernel_config.h"
 #include "backends/cuda/prefill/tile_config.cuh"
@@ -65,6 +67,8 @@ bool prefill_tma_q();
 // key its rows see, rounded up to 32 tokens (AttentionParams::narrow_tiles): ATTNFORGE_PREFILL_NARROW "1" (the
 // default) or "0" (every tile whole). Read once.
 bool prefill_narrow_tiles();
+// The settings above as the environment would give them ("ATTNFORGE_PREFILL_TMA=auto _TMA_Q=1 ..."), for records.
+std::string prefill_copy_settings();
 // Whether Q's (out false) or O's layout can be copied in boxes of `rows` packed rows (tma.h: qo_tensor_map): 16-bit
 // elements (O in Q's type), `group` (query heads per KV head) dividing `rows`, a 16-byte aligned address and
 // strides.
