@@ -79,6 +79,55 @@ TEST(PlannerHeuristics, KvChunkAligned) {
   EXPECT_EQ(choose_kv_chunk(split_input(1, 3, 11000, 11000, 16)), 1008);
 }
 
+TEST(PlannerHeuristics, SchedulePairsHandWorked) {
+  // Pairs 0-7 (2 heads of items of work 5, 3, 3, 1) over 3 CTAs, each to the least loaded (ties: the lowest CTA):
+  // 0 -> c0 (5, 0, 0), 1 -> c1 (5, 3, 0), 2 -> c2 (5, 3, 3), 3 -> c1 (5, 4, 3), 4 -> c2 (5, 4, 8), 5 -> c1 (5, 7, 8),
+  // 6 -> c0 (8, 7, 8), 7 -> c1 (8, 8, 8).
+  const std::vector<int64_t> work = {5, 3, 3, 1};
+  std::vector<int32_t> out;
+  planner::schedule_pairs(work, 2, 3, out);
+  EXPECT_EQ(out, (std::vector<int32_t>{0, 2, 6, 8, 0, 6, 1, 3, 5, 7, 2, 4})) << fmt::format("{}", out);
+}
+
+// The bench's ragged batch (16 causal requests of 512-4096 tokens, 32-token query tiles, 8 KV heads) over 132 CTAs:
+// every pair once, each CTA's pairs in the kernel's order, and the most loaded CTA within one item of the mean
+// (list scheduling's bound), where every 132nd pair from the CTA's index is 8% over it.
+TEST(PlannerHeuristics, SchedulePairsBalancesARaggedBatch) {
+  std::vector<int64_t> work;  // the kernels' order: the last request's last query tile first
+  for (int32_t i = 15; i >= 0; --i) {
+    const int32_t len = 512 + (3584 * ((i * 7) % 16)) / 15;
+    for (int32_t q1 = (len + 31) / 32 * 32; q1 > 0; q1 -= 32)
+      work.push_back(std::min(q1, len) + planner::kItemWorkTokens);
+  }
+  const int32_t heads = 8, ctas = 132;
+  const int64_t items = static_cast<int64_t>(work.size()), pairs = items * heads;
+  std::vector<int32_t> out;
+  planner::schedule_pairs(work, heads, ctas, out);
+  ASSERT_EQ(static_cast<int64_t>(out.size()), ctas + 1 + pairs);
+  ASSERT_EQ(out[0], 0);
+  ASSERT_EQ(out[ctas], pairs);
+  std::vector<int32_t> seen(static_cast<size_t>(pairs), 0);
+  int64_t total = 0, most = 0, most_strided = 0;
+  for (int32_t c = 0; c < ctas; ++c) {
+    ASSERT_LE(out[c], out[c + 1]);
+    int64_t load = 0, strided = 0;
+    for (int32_t k = out[c]; k < out[c + 1]; ++k) {
+      const int32_t w = out[ctas + 1 + k];
+      ASSERT_TRUE(w >= 0 && w < pairs) << w;
+      if (k > out[c]) ASSERT_LT(out[ctas + k], w) << "CTA " << c << ": pairs out of order";
+      ++seen[static_cast<size_t>(w)];
+      load += work[static_cast<size_t>(w % items)];
+    }
+    for (int64_t w = c; w < pairs; w += ctas) strided += work[static_cast<size_t>(w % items)];
+    total += load, most = std::max(most, load), most_strided = std::max(most_strided, strided);
+  }
+  for (int64_t w = 0; w < pairs; ++w) ASSERT_EQ(seen[static_cast<size_t>(w)], 1) << "pair " << w;
+  const int64_t longest = *std::max_element(work.begin(), work.end());
+  EXPECT_LE(most, total / ctas + longest);
+  EXPECT_GT(static_cast<double>(most_strided), 1.05 * static_cast<double>(total) / ctas);
+  EXPECT_LT(static_cast<double>(most), 1.02 * static_cast<double>(total) / ctas);
+}
+
 // ---- plan invariants ----
 
 // Host metadata of a batch in any KV format, owning the arrays its BatchPlanArgs views.

@@ -61,7 +61,7 @@ struct BatchPlanArgs {
 };
 
 struct AttentionPlan {
-  static constexpr int32_t kVersion = 1;
+  static constexpr int32_t kVersion = 2;  // 2: the persistent kernel's schedule
   int32_t version = kVersion;
   PlanKind kind = PlanKind::kDecode;
   Device device{};
@@ -79,6 +79,12 @@ struct AttentionPlan {
   std::vector<int32_t> kv_len;     // [batch]
   std::vector<WorkItem> items;
   std::vector<MergeItem> merges;
+  // Prefill plans on a device with a persistent kernel (CUDA: the Hopper kernel's pipelined forms, one CTA per SM):
+  // which (KV head, item) pairs each of its schedule_ctas CTAs walks, balanced by the planner. schedule holds
+  // schedule_ctas + 1 offsets, then CTA c's pairs at [schedule[c], schedule[c + 1]) of the rest, each pair as the
+  // kernels number them (KV head h, item i in reverse plan order: h x items + i). Empty elsewhere (schedule_ctas 0).
+  int32_t schedule_ctas = 0;
+  std::vector<int32_t> schedule;
   int64_t partial_rows = 0;   // rows of partial (o, lse) state in use
   uint64_t fingerprint = 0;   // hash of the KV lengths, checked by run() where it can see the metadata
 

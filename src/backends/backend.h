@@ -34,6 +34,12 @@ class Backend {
     (void)shape;
     return {};
   }
+  // CTAs of the persistent kernel that runs prefill plans of this shape and tile rows, whose walk over (KV head,
+  // item) pairs the planner lays out (AttentionPlan::schedule); 0: no persistent kernel runs them.
+  virtual int32_t persistent_ctas(const AttentionShape& shape, int32_t tile_rows) const {
+    (void)shape, (void)tile_rows;
+    return 0;
+  }
   // Whether kernels read the plan from the workspace (device memory) rather than from the plan object.
   virtual bool plan_in_device_memory() const { return false; }
   // Copies host bytes to device memory, asynchronously on `stream` (device backends only).

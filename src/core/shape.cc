@@ -101,18 +101,19 @@ KVParams paged_kv_params(const PagedKVCache& kv) {
   return p;
 }
 
-PlanLayout plan_layout(int64_t batch, int64_t item_capacity, int64_t merge_capacity) {
+PlanLayout plan_layout(const AttentionPlan& plan) {
+  const int64_t batch = plan.batch_size;
+  const int64_t schedule = plan.schedule_ctas > 0
+                               ? plan.schedule_ctas + 1 + static_cast<int64_t>(plan.item_capacity) * plan.shape.num_kv_heads
+                               : 0;
   PlanLayout l{};
   l.qo_indptr = align256(sizeof(PlanView));
   l.kv_len = l.qo_indptr + align256((batch + 1) * sizeof(int32_t));
   l.items = l.kv_len + align256(batch * sizeof(int32_t));
-  l.merges = l.items + align256(item_capacity * sizeof(WorkItem));
-  l.end = l.merges + align256(merge_capacity * sizeof(MergeItem));
+  l.merges = l.items + align256(plan.item_capacity * sizeof(WorkItem));
+  l.schedule = l.merges + align256(plan.merge_capacity * sizeof(MergeItem));
+  l.end = l.schedule + align256(schedule * sizeof(int32_t));
   return l;
-}
-
-size_t plan_metadata_bytes(int64_t batch, int64_t item_capacity, int64_t merge_capacity) {
-  return plan_layout(batch, item_capacity, merge_capacity).end;
 }
 
 }  // namespace attnforge::detail

@@ -22,13 +22,12 @@ uint64_t batch_fingerprint(KVFormat format, int32_t page_size, std::span<const i
 // Bytes of partial (o, lse) state for `rows` rows, each 256-byte aligned region.
 size_t partial_state_bytes(int64_t rows, const AttentionShape& s);
 // Where a device backend keeps the plan metadata at the start of the workspace: byte offsets of the regions after
-// the PlanView (at 0), each 256-byte aligned and sized by the batch and the plan's capacities, and their end.
+// the PlanView (at 0), each 256-byte aligned and sized by the plan's batch size and capacities (the schedule: its
+// offsets and a pair for every item at capacity and KV head), and their end (the metadata's bytes).
 struct PlanLayout {
-  size_t qo_indptr, kv_len, items, merges, end;
+  size_t qo_indptr, kv_len, items, merges, schedule, end;
 };
-PlanLayout plan_layout(int64_t batch, int64_t item_capacity, int64_t merge_capacity);
-// Bytes of that metadata (plan_layout's end).
-size_t plan_metadata_bytes(int64_t batch, int64_t item_capacity, int64_t merge_capacity);
+PlanLayout plan_layout(const AttentionPlan& plan);
 
 // K/V pointers, dtype, format, page size, heads, strides (by layout) and scales of a paged cache whose views
 // were validated; page ids and indptr are left to the caller.

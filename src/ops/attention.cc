@@ -372,6 +372,7 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
   p.qo_tile = plan.qo_tile;
   p.tile_rows = plan.tile_rows;
   p.max_merge_states = plan.max_merge_states;
+  p.schedule_ctas = plan.schedule_ctas;
   p.programmatic_launch = options.programmatic_launch ? 1 : 0;
   PlanView& host_view = prepared.host_view;
   host_view = PlanView{};
@@ -491,7 +492,7 @@ void upload_plan(AttentionPlan& plan, const Workspace& workspace, void* host_sta
     char* stage = static_cast<char*>(host_staging);
     char* base = static_cast<char*>(workspace.data);
     PlanView v = plan_view(plan, workspace.data);
-    const detail::PlanLayout l = detail::plan_layout(plan.batch_size, plan.item_capacity, plan.merge_capacity);
+    const detail::PlanLayout l = detail::plan_layout(plan);
     auto place = [&](const auto& values, size_t off) {
       std::memcpy(stage + off, values.data(), values.size() * sizeof(values[0]));
       return reinterpret_cast<decltype(values.data())>(base + off);
@@ -500,6 +501,7 @@ void upload_plan(AttentionPlan& plan, const Workspace& workspace, void* host_sta
     v.kv_len = place(plan.kv_len, l.kv_len);
     v.items = place(plan.items, l.items);
     v.merges = place(plan.merges, l.merges);
+    v.schedule = place(plan.schedule, l.schedule);
     std::memcpy(stage, &v, sizeof(v));
     backend.copy_to_device(workspace.data, stage, plan.metadata_bytes, stream);
   }

@@ -1,6 +1,9 @@
 #include "planner/heuristics.h"
 
 #include <algorithm>
+#include <functional>
+#include <queue>
+#include <utility>
 
 namespace attnforge::planner {
 
@@ -26,6 +29,28 @@ int32_t choose_kv_chunk(const SplitInput& in) {
   chunk = (chunk + align - 1) / align * align;
   if (chunk >= in.max_kv) return 0;  // nothing would be cut
   return static_cast<int32_t>(chunk);
+}
+
+void schedule_pairs(std::span<const int64_t> item_work, int32_t num_kv_heads, int32_t ctas,
+                    std::vector<int32_t>& out) {
+  const int64_t items = static_cast<int64_t>(item_work.size()), pairs = items * num_kv_heads;
+  out.assign(static_cast<size_t>(ctas + 1 + pairs), 0);
+  if (ctas <= 0) return;
+  std::vector<int32_t> owner(static_cast<size_t>(pairs));
+  // (work so far, CTA), least first.
+  std::priority_queue<std::pair<int64_t, int32_t>, std::vector<std::pair<int64_t, int32_t>>, std::greater<>> free;
+  for (int32_t c = 0; c < ctas; ++c) free.push({0, c});
+  for (int64_t w = 0; w < pairs; ++w) {
+    auto [work, c] = free.top();
+    free.pop();
+    owner[static_cast<size_t>(w)] = c;
+    ++out[static_cast<size_t>(c) + 1];
+    free.push({work + item_work[static_cast<size_t>(w % items)], c});
+  }
+  for (int32_t c = 0; c < ctas; ++c) out[static_cast<size_t>(c) + 1] += out[static_cast<size_t>(c)];
+  std::vector<int32_t> next(out.begin(), out.begin() + ctas);
+  for (int64_t w = 0; w < pairs; ++w)
+    out[static_cast<size_t>(ctas + 1 + next[static_cast<size_t>(owner[static_cast<size_t>(w)])]++)] = static_cast<int32_t>(w);
 }
 
 }  // namespace attnforge::planner

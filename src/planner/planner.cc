@@ -273,7 +273,19 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     plan.merge_capacity = static_cast<int32_t>(tiles.size());
     plan.partial_row_capacity =
         std::max<int64_t>(plan.partial_rows, static_cast<int64_t>(bound) * std::max(plan.qo_tile, long_qo_tile));
-    plan.metadata_bytes = detail::plan_metadata_bytes(plan.batch_size, plan.item_capacity, plan.merge_capacity);
+    // A persistent prefill kernel's CTAs walk lists the planner balances (schedule_pairs), sized to its grid.
+    const int32_t ctas = kind == PlanKind::kPrefill ? backend.persistent_ctas(shape, plan.tile_rows) : 0;
+    if (ctas > 0 && plan.item_capacity > 0) {
+      plan.schedule_ctas =
+          static_cast<int32_t>(std::min<int64_t>(ctas, static_cast<int64_t>(plan.item_capacity) * shape.num_kv_heads));
+      std::vector<int64_t> work(static_cast<size_t>(num_items));
+      for (int32_t i = 0; i < num_items; ++i) {
+        const WorkItem& it = plan.items[static_cast<size_t>(num_items - 1 - i)];  // the kernels' order
+        work[static_cast<size_t>(i)] = static_cast<int64_t>(it.kv_end - it.kv_begin) + planner::kItemWorkTokens;
+      }
+      planner::schedule_pairs(work, shape.num_kv_heads, plan.schedule_ctas, plan.schedule);
+    }
+    plan.metadata_bytes = detail::plan_layout(plan).end;
   } else {
     plan.item_capacity = num_items;
     plan.merge_capacity = static_cast<int32_t>(plan.merges.size());

@@ -158,6 +158,12 @@ class CudaBackend final : public Backend {
     return tokens;
   }
   int32_t split_waves() const override { return 1; }
+  // The Hopper kernel's pipelined forms: one CTA per SM (the run-time compiled kernels are all portable).
+  int32_t persistent_ctas(const AttentionShape& shape, int32_t tile_rows) const override {
+    if (jit::cuda_kernels() == jit::CudaKernels::kNvrtc) return 0;
+    DeviceGuard guard(device_);
+    return cuda::prefill_persistent(normalized(shape).head_dim_qk, tile_rows) ? sms_ : 0;
+  }
 
   void copy_to_device(void* dst, const void* src, size_t bytes, Stream stream) override {
     DeviceGuard guard(device_);

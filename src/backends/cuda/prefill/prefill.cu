@@ -123,10 +123,13 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
   using Tr = PrefillWgmmaTraits<D, Elem, kForm>;
   configure_wgmma<Tr>();
   // The pipelined form is persistent: one CTA per SM walks the (KV head, item) pairs (grid x times y of the
-  // others), so its copier can run ahead into the next pair. From the capacities and the SM count alone, so a
-  // captured graph survives re-plans.
+  // others), so its copier can run ahead into the next pair; the plan's schedule_ctas CTAs where it balanced their
+  // walks (AttentionPlan::schedule). From the capacities and the SM count alone, so a captured graph survives
+  // re-plans.
   if constexpr (kForm == WgmmaForm::kPipelined || kForm == WgmmaForm::kOverlapped)
-    dims.grid = dim3(std::min(dims.grid.x * dims.grid.y, static_cast<unsigned>(sm_count())), 1, dims.grid.z);
+    dims.grid = dim3(p.schedule_ctas > 0 ? static_cast<unsigned>(p.schedule_ctas)
+                                         : std::min(dims.grid.x * dims.grid.y, static_cast<unsigned>(sm_count())),
+                     1, dims.grid.z);
   dims.block = dim3(Tr::kThreads);
   dims.smem_bytes = Tr::kSmemBytes;
   prefill_wgmma_kernel<Tr><<<dims.grid, dims.block, dims.smem_bytes, stream>>>(p);
@@ -201,6 +204,7 @@ bool launch_prefill_wgmma(const AttentionParams& p, const KernelDims& dims, cuda
   wd.grid.z = (dims.grid.z * prefill_plan_rows(p) + kPrefillWgmmaRows - 1) / kPrefillWgmmaRows;
   AttentionParams np = p;
   np.narrow_tiles = prefill_narrow_tiles() ? 1 : 0;
+  if (!prefill_schedule()) np.schedule_ctas = 0;
   const bool bf16 = p.q_dtype == DType::kBFloat16;
   if (d == 64)
     bf16 ? launch_wgmma<64, Bf16>(np, wd, stream) : launch_wgmma<64, F16>(np, wd, stream);
@@ -260,6 +264,16 @@ bool prefill_wgmma_serves(int head_dim, int tile_rows) {
   return has_device && compute_capability() == 90;  // sm_90a code runs on 9.0 only
 }
 
+bool prefill_persistent(int head_dim, int tile_rows) {
+  const int form = prefill_wgmma_form();
+  return prefill_wgmma_serves(head_dim, tile_rows) && (form == 2 || form == 3);
+}
+
+bool prefill_schedule() {
+  static const bool on = detail::env_choice("ATTNFORGE_PREFILL_SCHEDULE", {"1", "0"}, "1") == "1";
+  return on;
+}
+
 int prefill_tile_rows(int head_dim) {
   return prefill_wgmma_serves(head_dim, kPrefillWgmmaRows) ? kPrefillWgmmaRows : prefill_rows(head_dim);
 }
@@ -280,7 +294,7 @@ PrefillTma prefill_tma() {
 std::string prefill_copy_settings() {
   return std::string("ATTNFORGE_PREFILL_TMA=") + kPrefillTmaNames[static_cast<int>(prefill_tma())] +
          " _TMA_Q=" + (prefill_tma_q() ? "1" : "0") + " _TMA_STORE=" + (prefill_tma_store() ? "1" : "0") +
-         " _NARROW=" + (prefill_narrow_tiles() ? "1" : "0");
+         " _NARROW=" + (prefill_narrow_tiles() ? "1" : "0") + " _SCHEDULE=" + (prefill_schedule() ? "1" : "0");
 }
 
 int kv_tma_box_slots(const KVParams& kv, int tile_tokens) {

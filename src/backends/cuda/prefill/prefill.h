@@ -32,6 +32,13 @@ PrefillWgmma prefill_wgmma();
 // Whether plans of this head dim and query tile rows (AttentionPlan::tile_rows) run on the Hopper kernel on the
 // current device (RoPE, dtypes aside).
 bool prefill_wgmma_serves(int head_dim, int tile_rows);
+// Whether those plans run on a persistent form (2 or 3, prefill_wgmma_form), one CTA per SM walking the plan's
+// schedule (RoPE, dtypes aside: such plans run prefill_kernel, which walks the items by stride).
+bool prefill_persistent(int head_dim, int tile_rows);
+// Whether the persistent forms' CTAs walk the (KV head, item) pairs the planner balanced over them
+// (AttentionPlan::schedule): ATTNFORGE_PREFILL_SCHEDULE "1" (the default) or "0" (CTA c walks pairs c, c + grid,
+// c + 2 grid, ... on a grid of the same size). Read once.
+bool prefill_schedule();
 // The planner's query tile rows for long queries: kPrefillWgmmaRows where the Hopper kernel serves them, else the
 // portable kernel's CTA rows (prefill_rows).
 int prefill_tile_rows(int head_dim);

@@ -137,6 +137,24 @@ __device__ __forceinline__ void wgmma_reset_rows(WgmmaRows<D>& st) {
   st.l_run[0] = st.l_run[1] = 0.f;
 }
 
+// The (KV head, item) pairs a persistent CTA walks, by position k in [begin, end) step `step`: its list in the plan's
+// schedule (AttentionPlan::schedule, where p.schedule_ctas gives the grid it was balanced for), or every gridDim.x-th
+// pair from blockIdx.x. A pair w is KV head w / items and item items - 1 - w % items of the plan.
+struct PairWalk {
+  const int32_t* pairs;  // null: the stride walk
+  int begin, end, step;
+  __device__ __forceinline__ static PairWalk make(const AttentionParams& p, const PlanView& plan, int num_work) {
+    if (p.schedule_ctas > 0) {
+      const int32_t* s = plan.schedule;
+      return {s + p.schedule_ctas + 1, s[blockIdx.x], s[blockIdx.x + 1], 1};
+    }
+    return {nullptr, static_cast<int>(blockIdx.x), num_work, static_cast<int>(gridDim.x)};
+  }
+  __device__ __forceinline__ int at(int k) const { return pairs != nullptr ? pairs[k] : k; }
+  // The pair at k, or 0 past the end.
+  __device__ __forceinline__ int at_or_0(int k) const { return k < end ? at(k) : 0; }
+};
+
 // What one thread knows of its item and rows; w_max_lo / w_min_hi: the intersection of the warp's row ranges.
 struct WgmmaItem {
   WorkItem it;
@@ -797,8 +815,12 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
     mbar::shrink_registers<Tr::kProducerRegs>();
     ATTNFORGE_TRACE(long long tr_range = 0, tr_fetch = 0, tr_empty = 0, tr_load = 0, tr_items = 0, tr_tiles = 0;
                     const long long tr_begin = clock64(); long long tr_t = tr_begin;)
-    for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+    const PairWalk walk = PairWalk::make(p, plan, num_work);
+    int w_next = walk.at_or_0(walk.begin);  // the next pair's number, loaded an item ahead
+    for (int k = walk.begin; k < walk.end; k += walk.step) {
       ATTNFORGE_TRACE(tr_t = clock64(); ++tr_items;)
+      const int w = w_next;
+      w_next = walk.at_or_0(k + walk.step);
       const int kv_head = w / num_items;
       const WorkItem it = plan.items[num_items - 1 - (w - kv_head * num_items)];
       ItemRows m;
@@ -961,9 +983,11 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
     const bool transform = vp.soft_cap > 0.f || vp.alibi_slopes != nullptr;
     ATTNFORGE_TRACE(ConsumerTrace tr;)
     // The pairs' metadata runs ahead of the loop (an item's setup was 5,300 cycles, H200 trace at 6cedce2, mostly
-    // the dependent global loads of plan.items and then qo_indptr and kv_len): the next pair's WorkItem and rows
-    // and the WorkItem after it, loaded while the current pair's tiles run and first used by the next iteration.
-    auto item_at = [&](int w) {
+    // the dependent global loads of plan.items and then qo_indptr and kv_len): the next pair's WorkItem and rows,
+    // the WorkItem after it, and the number of the pair after that (the schedule's), loaded while the current
+    // pair's tiles run and first used by the next iteration.
+    const PairWalk walk = PairWalk::make(p, plan, num_work);
+    auto item_of = [&](int w) {
       const int h = w / num_items;
       return plan.items[num_items - 1 - (w - h * num_items)];
     };
@@ -977,21 +1001,25 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
     WorkItem it_next{}, it_after{};
     ItemRows m_next{};
     bool ok_next = false;
-    if (blockIdx.x < num_work) {
-      it_next = item_at(blockIdx.x);
+    int w_next = walk.at_or_0(walk.begin), w_after = walk.at_or_0(walk.begin + walk.step);
+    int w_third = walk.at_or_0(walk.begin + 2 * walk.step);
+    if (walk.begin < walk.end) {
+      it_next = item_of(w_next);
       ok_next = has_rows(it_next, m_next);
     }
-    if (blockIdx.x + gridDim.x < num_work) it_after = item_at(blockIdx.x + gridDim.x);
-    for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+    if (walk.begin + walk.step < walk.end) it_after = item_of(w_after);
+    for (int k = walk.begin; k < walk.end; k += walk.step) {
       ATTNFORGE_TRACE(tr.lap(tr.between); ++tr.items;)
-      const int kv_head = w / num_items;
+      const int kv_head = w_next / num_items;
       const WorkItem it = it_next;
       ItemRows m = m_next;
       const bool ok = ok_next;
-      const int w_next = w + gridDim.x;
+      const int k_next = k + walk.step;
+      w_next = w_after, w_after = w_third;
       it_next = it_after;
-      ok_next = w_next < num_work && has_rows(it_next, m_next);
-      if (w_next + gridDim.x < num_work) it_after = item_at(w_next + gridDim.x);
+      ok_next = k_next < walk.end && has_rows(it_next, m_next);
+      if (k_next + walk.step < walk.end) it_after = item_of(w_after);
+      w_third = walk.at_or_0(k_next + 2 * walk.step);
       if (!ok) continue;
       int w_max_lo, w_min_hi, range_lo = it.kv_end, range_hi = it.kv_begin, g_lo = it.kv_end, g_hi = it.kv_begin;
       int qb = 0;  // the buffer of this item's Q
@@ -1132,7 +1160,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       if constexpr (!kOverlap)
         wgmma_consume_tiles<Tr>(p, c, st, q_addr, sK, sV, full, empty, count, range_lo, num_tiles, g_lo,
                                 g_hi ATTNFORGE_TRACE(, tr));
-      if (w + gridDim.x >= num_work) grid_launch_dependents();  // this CTA's last item
+      if (k + walk.step >= walk.end) grid_launch_dependents();  // this CTA's last item
       // Staged through its own rows of Q (which the next item's Q load waits for), by boxes of O where the host
       // encoded the map (kCopierQ only: the issuing thread releases the buffer later, the others now).
       const bool boxed = wgmma_store_item<Tr>(p, c, st, sQ + qb * Tr::kQBytes + 64 * cwg * 128, 64 * cwg, 4 + cwg,
