@@ -381,6 +381,8 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
       fail(ErrorKind::kPlanMismatch, "plan: not uploaded to this workspace ({}); call upload_plan(plan, workspace, "
            "staging, ...) after planning and before run()", ws.data);
     p.plan = static_cast<const PlanView*>(ws.data);
+    if (plan.schedule_ctas > 0) p.schedule = reinterpret_cast<const int32_t*>(
+                                    static_cast<const char*>(ws.data) + detail::plan_layout(plan).schedule);
   } else {
     host_view = plan_view(plan, ws.data);
     host_view.qo_indptr = plan.qo_indptr.data();
@@ -501,7 +503,7 @@ void upload_plan(AttentionPlan& plan, const Workspace& workspace, void* host_sta
     v.kv_len = place(plan.kv_len, l.kv_len);
     v.items = place(plan.items, l.items);
     v.merges = place(plan.merges, l.merges);
-    v.schedule = place(plan.schedule, l.schedule);
+    place(plan.schedule, l.schedule);  // AttentionParams::schedule points there (prepare_run)
     std::memcpy(stage, &v, sizeof(v));
     backend.copy_to_device(workspace.data, stage, plan.metadata_bytes, stream);
   }

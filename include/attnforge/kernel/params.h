@@ -110,7 +110,6 @@ struct PlanView {
   const int32_t* kv_len;     // [batch]
   const WorkItem* items;     // [num_items]
   const MergeItem* merges;   // [num_merges]
-  const int32_t* schedule;   // AttentionPlan::schedule: [schedule_ctas + 1] offsets, then (KV head, item) pairs
   float* partial_o;          // [partial rows, num_qo_heads, head_dim_vo]
   float* partial_lse;        // [partial rows, num_qo_heads]
 };
@@ -134,9 +133,12 @@ struct AttentionParams {
   int32_t item_capacity, merge_capacity, qo_tile;
   int32_t tile_rows;  // the plan's tile_rows: which prefill kernel (CTA rows) serves it
   int32_t max_merge_states;  // the plan's: which shape of merge kernel launch serves it
-  // The plan's schedule_ctas: the persistent prefill kernel's grid, whose CTAs walk PlanView::schedule; 0: each CTA
-  // walks every gridDim.x-th pair (set to 0 by the CUDA backend under ATTNFORGE_PREFILL_SCHEDULE=0).
+  // The plan's schedule_ctas: the persistent prefill kernel's grid, whose CTAs walk `schedule` (AttentionPlan::
+  // schedule in the workspace: schedule_ctas + 1 offsets, then the (KV head, item) pairs); 0: each CTA walks every
+  // gridDim.x-th pair (set to 0 by the CUDA backend under ATTNFORGE_PREFILL_SCHEDULE=0). A launch parameter rather
+  // than a PlanView field: the kernel reaches it without a trip to memory and keeps no pointer in registers.
   int32_t schedule_ctas;
+  const int32_t* schedule;
   int32_t programmatic_launch;  // AttentionOptions::programmatic_launch (host side: how the CUDA backend launches)
   // CUDA, Hopper prefill kernel (ATTNFORGE_PREFILL_TMA): K/V tiles copied by the tensor memory accelerator through
   // these maps (backends/cuda/tma.h) in boxes of tma_box_slots tokens of a page (ragged KV: a tile's rows in one

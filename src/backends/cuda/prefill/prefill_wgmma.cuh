@@ -143,11 +143,9 @@ __device__ __forceinline__ void wgmma_reset_rows(WgmmaRows<D>& st) {
 struct PairWalk {
   const int32_t* pairs;  // null: the stride walk
   int begin, end, step;
-  __device__ __forceinline__ static PairWalk make(const AttentionParams& p, const PlanView& plan, int num_work) {
-    if (p.schedule_ctas > 0) {
-      const int32_t* s = plan.schedule;
-      return {s + p.schedule_ctas + 1, s[blockIdx.x], s[blockIdx.x + 1], 1};
-    }
+  __device__ __forceinline__ static PairWalk make(const AttentionParams& p, int num_work) {
+    if (p.schedule_ctas > 0)
+      return {p.schedule + p.schedule_ctas + 1, p.schedule[blockIdx.x], p.schedule[blockIdx.x + 1], 1};
     return {nullptr, static_cast<int>(blockIdx.x), num_work, static_cast<int>(gridDim.x)};
   }
   __device__ __forceinline__ int at(int k) const { return pairs != nullptr ? pairs[k] : k; }
@@ -815,7 +813,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
     mbar::shrink_registers<Tr::kProducerRegs>();
     ATTNFORGE_TRACE(long long tr_range = 0, tr_fetch = 0, tr_empty = 0, tr_load = 0, tr_items = 0, tr_tiles = 0;
                     const long long tr_begin = clock64(); long long tr_t = tr_begin;)
-    const PairWalk walk = PairWalk::make(p, plan, num_work);
+    const PairWalk walk = PairWalk::make(p, num_work);
     int w_next = walk.at_or_0(walk.begin);  // the next pair's number, loaded an item ahead
     for (int k = walk.begin; k < walk.end; k += walk.step) {
       ATTNFORGE_TRACE(tr_t = clock64(); ++tr_items;)
@@ -986,7 +984,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
     // the dependent global loads of plan.items and then qo_indptr and kv_len): the next pair's WorkItem and rows,
     // the WorkItem after it, and the number of the pair after that (the schedule's), loaded while the current
     // pair's tiles run and first used by the next iteration.
-    const PairWalk walk = PairWalk::make(p, plan, num_work);
+    const PairWalk walk = PairWalk::make(p, num_work);
     auto item_of = [&](int w) {
       const int h = w / num_items;
       return plan.items[num_items - 1 - (w - h * num_items)];
