@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/shape.h"
 #include "planner/heuristics.h"
 #include "testing/cases.h"
 
@@ -126,6 +127,32 @@ TEST(PlannerHeuristics, SchedulePairsBalancesARaggedBatch) {
   EXPECT_LE(most, total / ctas + longest);
   EXPECT_GT(static_cast<double>(most_strided), 1.05 * static_cast<double>(total) / ctas);
   EXPECT_LT(static_cast<double>(most), 1.02 * static_cast<double>(total) / ctas);
+}
+
+// The device metadata's regions in order without overlap, and the schedule at the same place whatever the
+// capacities: kernels reach it through launch parameters, which a captured graph keeps across re-plans.
+TEST(PlanLayout, ScheduleFirstAndFixed) {
+  auto layout = [](int32_t items, int32_t merges, int32_t ctas) {
+    AttentionPlan p;
+    p.batch_size = 7, p.shape.num_kv_heads = 8, p.item_capacity = items, p.merge_capacity = merges;
+    p.schedule_ctas = ctas;
+    return detail::plan_layout(p);
+  };
+  const detail::PlanLayout a = layout(100, 10, 132), b = layout(5000, 300, 132), c = layout(100, 10, 0);
+  EXPECT_EQ(a.schedule, b.schedule);
+  EXPECT_EQ(a.schedule, c.schedule);
+  for (const detail::PlanLayout& l : {a, b, c}) {
+    EXPECT_EQ(l.schedule % 256, 0u);
+    EXPECT_GE(l.schedule, sizeof(PlanView));
+    EXPECT_LE(l.schedule, l.qo_indptr);
+    EXPECT_LT(l.qo_indptr, l.kv_len);
+    EXPECT_LT(l.kv_len, l.items);
+    EXPECT_LE(l.items, l.merges);
+    EXPECT_LE(l.merges, l.end);
+  }
+  // 133 offsets and 100 x 8 pairs of int32.
+  EXPECT_GE(a.qo_indptr - a.schedule, (133u + 800u) * sizeof(int32_t));
+  EXPECT_EQ(c.qo_indptr, c.schedule);  // no schedule, no bytes
 }
 
 // ---- plan invariants ----

@@ -79,8 +79,9 @@ struct AttentionPlan {
   std::vector<int32_t> kv_len;     // [batch]
   std::vector<WorkItem> items;
   std::vector<MergeItem> merges;
-  // Prefill plans on a device with a persistent kernel (CUDA: the Hopper kernel's pipelined forms, one CTA per SM):
-  // which (KV head, item) pairs each of its schedule_ctas CTAs walks, balanced by the planner. schedule holds
+  // Prefill plans on a device with a persistent kernel (CUDA: the Hopper kernel's pipelined forms, one CTA per SM,
+  // schedule_ctas of them whatever the batch): which (KV head, item) pairs each CTA walks, balanced by the planner
+  // (a CTA may have none). schedule holds
   // schedule_ctas + 1 offsets, then CTA c's pairs at [schedule[c], schedule[c + 1]) of the rest, each pair as the
   // kernels number them (KV head h, item i in reverse plan order: h x items + i). Empty elsewhere (schedule_ctas 0).
   int32_t schedule_ctas = 0;

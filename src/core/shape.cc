@@ -107,12 +107,13 @@ PlanLayout plan_layout(const AttentionPlan& plan) {
                                ? plan.schedule_ctas + 1 + static_cast<int64_t>(plan.item_capacity) * plan.shape.num_kv_heads
                                : 0;
   PlanLayout l{};
-  l.qo_indptr = align256(sizeof(PlanView));
+  // The schedule first: its place does not depend on the capacities, which AttentionParams::schedule relies on.
+  l.schedule = align256(sizeof(PlanView));
+  l.qo_indptr = l.schedule + align256(schedule * sizeof(int32_t));
   l.kv_len = l.qo_indptr + align256((batch + 1) * sizeof(int32_t));
   l.items = l.kv_len + align256(batch * sizeof(int32_t));
   l.merges = l.items + align256(plan.item_capacity * sizeof(WorkItem));
-  l.schedule = l.merges + align256(plan.merge_capacity * sizeof(MergeItem));
-  l.end = l.schedule + align256(schedule * sizeof(int32_t));
+  l.end = l.merges + align256(plan.merge_capacity * sizeof(MergeItem));
   return l;
 }
 

@@ -273,11 +273,12 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     plan.merge_capacity = static_cast<int32_t>(tiles.size());
     plan.partial_row_capacity =
         std::max<int64_t>(plan.partial_rows, static_cast<int64_t>(bound) * std::max(plan.qo_tile, long_qo_tile));
-    // A persistent prefill kernel's CTAs walk lists the planner balances (schedule_pairs), sized to its grid.
+    // A persistent prefill kernel's CTAs walk lists the planner balances (schedule_pairs): one list for each of
+    // its CTAs whatever the batch (a CTA may have none), so that the grid and the lists' offsets are the same for
+    // every re-plan a captured graph may replay.
     const int32_t ctas = kind == PlanKind::kPrefill ? backend.persistent_ctas(shape, plan.tile_rows) : 0;
     if (ctas > 0 && plan.item_capacity > 0) {
-      plan.schedule_ctas =
-          static_cast<int32_t>(std::min<int64_t>(ctas, static_cast<int64_t>(plan.item_capacity) * shape.num_kv_heads));
+      plan.schedule_ctas = ctas;
       std::vector<int64_t> work(static_cast<size_t>(num_items));
       for (int32_t i = 0; i < num_items; ++i) {
         const WorkItem& it = plan.items[static_cast<size_t>(num_items - 1 - i)];  // the kernels' order

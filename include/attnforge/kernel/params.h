@@ -136,7 +136,9 @@ struct AttentionParams {
   // The plan's schedule_ctas: the persistent prefill kernel's grid, whose CTAs walk `schedule` (AttentionPlan::
   // schedule in the workspace: schedule_ctas + 1 offsets, then the (KV head, item) pairs); 0: each CTA walks every
   // gridDim.x-th pair (set to 0 by the CUDA backend under ATTNFORGE_PREFILL_SCHEDULE=0). A launch parameter rather
-  // than a PlanView field: the kernel reaches it without a trip to memory and keeps no pointer in registers.
+  // than a PlanView field: the kernel reaches it without a trip to memory and keeps no pointer in registers. Its
+  // place in the workspace and schedule_ctas are the same for every plan of the shape (plan_layout), so a captured
+  // graph's copy of both stays valid across re-plans.
   int32_t schedule_ctas;
   const int32_t* schedule;
   int32_t programmatic_launch;  // AttentionOptions::programmatic_launch (host side: how the CUDA backend launches)

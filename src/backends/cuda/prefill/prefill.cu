@@ -123,9 +123,9 @@ void launch_wgmma_form(const AttentionParams& p, KernelDims dims, cudaStream_t s
   using Tr = PrefillWgmmaTraits<D, Elem, kForm>;
   configure_wgmma<Tr>();
   // The pipelined form is persistent: one CTA per SM walks the (KV head, item) pairs (grid x times y of the
-  // others), so its copier can run ahead into the next pair; the plan's schedule_ctas CTAs where it balanced their
-  // walks (AttentionPlan::schedule). From the capacities and the SM count alone, so a captured graph survives
-  // re-plans.
+  // others), so its copier can run ahead into the next pair; the plan's schedule_ctas (the SM count) where it
+  // balanced their walks (AttentionPlan::schedule). From the capacities and the SM count alone, so a captured graph
+  // survives re-plans.
   if constexpr (kForm == WgmmaForm::kPipelined || kForm == WgmmaForm::kOverlapped)
     dims.grid = dim3(p.schedule_ctas > 0 ? static_cast<unsigned>(p.schedule_ctas)
                                          : std::min(dims.grid.x * dims.grid.y, static_cast<unsigned>(sm_count())),
