@@ -249,22 +249,24 @@ class _ContextParallel:
             self._gathered = empty(self._float_workspace_buffer, (nbytes,), "uint8")
         self._planned = True
 
-    def _overrides(self, args, window_left, sm_scale, logits_soft_cap, q_scale, k_scale, v_scale, sinks):
+    def _overrides(self, args, window_left, sm_scale, logits_soft_cap, q_scale, k_scale, v_scale, sinks, enable_pdl):
         if args:
             no_custom_args(args, "run")
-        return (sm_scale, window_left, logits_soft_cap, q_scale, k_scale, v_scale, sinks)
+        return (sm_scale, window_left, logits_soft_cap, q_scale, k_scale, v_scale, sinks, enable_pdl)
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, sm_scale=None, logits_soft_cap=None,
             stream=None):
         """Context-parallel attention of q (all of the batch's queries, on every rank) over this rank's share of
         ``paged_kv_cache``, all-gathered and merged: out [total_qo, num_qo_heads, head_dim_vo] (and lse, log2,
-        when return_lse), the same on every rank. Arguments as the single-GPU wrapper's run(); per-layer options a
-        split cannot honour are refused. Needs a communicator."""
+        when return_lse), the same on every rank. Arguments as the single-GPU wrapper's run() (``enable_pdl`` too:
+        None or True launches this rank's CUDA decode kernel as a programmatic dependent of the kernel before it);
+        per-layer options a split cannot honour are refused. Needs a communicator."""
         if self._comm_handle == 0:
             raise invalid("run: this wrapper has no communicator (made with world_size= and rank=); pass "
                           "communicator= or call run_rank() on every rank and merge() the filled gathered_buffer")
-        overrides = self._overrides(args, window_left, sm_scale, logits_soft_cap, q_scale, k_scale, v_scale, sinks)
+        overrides = self._overrides(args, window_left, sm_scale, logits_soft_cap, q_scale, k_scale, v_scale, sinks,
+                                    enable_pdl)
         kv_a, kv_b = paged_kv_cache if type(paged_kv_cache) is tuple else (paged_kv_cache, None)
         if out is None or (lse is None and return_lse):
             out, lse = outputs(q, out, lse, (q.shape[0], self._num_qo_heads, self._head_dim_vo), self._o_dtype_name,
@@ -276,10 +278,11 @@ class _ContextParallel:
         return (out, lse) if return_lse else out
 
     def run_rank(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, window_left=None,
-                 sinks=None, sm_scale=None, logits_soft_cap=None, stream=None):
+                 sinks=None, sm_scale=None, logits_soft_cap=None, enable_pdl=None, stream=None):
         """This rank's part alone: its share into its slot of gathered_buffer (no communication). Fill the other
         slots (simulated ranks sharing one buffer, or the caller's own all-gather), then merge()."""
-        overrides = self._overrides(args, window_left, sm_scale, logits_soft_cap, q_scale, k_scale, v_scale, sinks)
+        overrides = self._overrides(args, window_left, sm_scale, logits_soft_cap, q_scale, k_scale, v_scale, sinks,
+                                    enable_pdl)
         kv_a, kv_b = paged_kv_cache if type(paged_kv_cache) is tuple else (paged_kv_cache, None)
         self._call(q, kv_a, kv_b, None, None, stream, overrides, 0)
 
@@ -307,9 +310,10 @@ class _ContextParallel:
 def _context_parallel_run(handle: int, q: Tensor, kv_a: Tensor, kv_b: Optional[Tensor], out: Tensor,
                           lse: Optional[Tensor], stream: Optional[int], sm_scale: Optional[float],
                           window_left: Optional[int], logits_soft_cap: Optional[float], q_scale: Optional[float],
-                          k_scale: Optional[float], v_scale: Optional[float], sinks: Optional[Tensor]) -> None:
+                          k_scale: Optional[float], v_scale: Optional[float], sinks: Optional[Tensor],
+                          enable_pdl: Optional[bool]) -> None:
     _torch.wrapper(handle)._run_context_parallel(q, kv_a, kv_b, out, lse, stream, sm_scale, window_left,
-                                                 logits_soft_cap, q_scale, k_scale, v_scale, sinks)
+                                                 logits_soft_cap, q_scale, k_scale, v_scale, sinks, enable_pdl)
 
 
 class ContextParallelBatchDecodeWithPagedKVCacheWrapper(_ContextParallel, BatchDecodeWithPagedKVCacheWrapper):

@@ -175,17 +175,19 @@ NB_MODULE(_C, m) {
           [](python::BatchAttention& self, nb::handle q, nb::handle kv_a, nb::handle kv_b, nb::handle out,
              nb::handle lse, uintptr_t stream, std::optional<float> sm_scale, std::optional<int32_t> window_left,
              std::optional<float> logits_soft_cap, std::optional<float> q_scale, std::optional<float> k_scale,
-             std::optional<float> v_scale, nb::handle sinks, const RankStateLayout& layout, KVPartition partition,
-             nb::handle gathered, int32_t rank, int32_t world_size, uintptr_t communicator) {
-            self.run_context_parallel(q, kv_a, kv_b, out, lse, stream,
-                                      {sm_scale, logits_soft_cap, q_scale, k_scale, v_scale, window_left, sinks},
-                                      layout, partition, gathered, rank, world_size, communicator);
+             std::optional<float> v_scale, nb::handle sinks, std::optional<bool> enable_pdl,
+             const RankStateLayout& layout, KVPartition partition, nb::handle gathered, int32_t rank,
+             int32_t world_size, uintptr_t communicator) {
+            self.run_context_parallel(
+                q, kv_a, kv_b, out, lse, stream,
+                {sm_scale, logits_soft_cap, q_scale, k_scale, v_scale, window_left, sinks, enable_pdl}, layout,
+                partition, gathered, rank, world_size, communicator);
           },
           nb::arg("q"), nb::arg("kv_a"), nb::arg("kv_b").none(), nb::arg("out").none(), nb::arg("lse").none(),
           nb::arg("stream"), nb::arg("sm_scale").none(), nb::arg("window_left").none(),
           nb::arg("logits_soft_cap").none(), nb::arg("q_scale").none(), nb::arg("k_scale").none(),
-          nb::arg("v_scale").none(), nb::arg("sinks").none(), nb::arg("layout"), nb::arg("partition"),
-          nb::arg("gathered"), nb::arg("rank"), nb::arg("world_size"), nb::arg("communicator"))
+          nb::arg("v_scale").none(), nb::arg("sinks").none(), nb::arg("enable_pdl").none(), nb::arg("layout"),
+          nb::arg("partition"), nb::arg("gathered"), nb::arg("rank"), nb::arg("world_size"), nb::arg("communicator"))
       .def("time_cpp_run", &python::BatchAttention::time_repeated_run, nb::arg("q"), nb::arg("kv_a"),
            nb::arg("kv_b").none(), nb::arg("out"), nb::arg("lse").none(), nb::arg("stream"), nb::arg("iterations"))
       .def_prop_ro("workspace_bytes", &python::BatchAttention::workspace_bytes)

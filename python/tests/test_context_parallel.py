@@ -210,6 +210,21 @@ def test_argument_errors(rng):
         distributed.merge_gathered_states(layout, np.zeros(64, np.uint8), 2)
 
 
+def test_enable_pdl_reaches_the_rank_run(rng):
+    """run() and run_rank() take FlashInfer's enable_pdl like the single-GPU wrapper's run(): None, True and False
+    give the same merged result (the CPU has no programmatic launch), and a value that is not a bool is refused by
+    the binding."""
+    q, _, qo, kv, table, _, _ = _batch(rng, "decode")
+    results = [_simulate("decode", 2, PARTITIONS[0], q, qo, kv, table, "float32", run_options={"enable_pdl": e})[:2]
+               for e in (None, True, False)]
+    for out, lse in results[1:]:
+        assert np.array_equal(out, results[0][0]) and np.array_equal(lse, results[0][1])
+    w = WRAPPERS["decode"][1](np.zeros(4 << 20, np.uint8), world_size=2, rank=0)
+    _plan(w, "decode", qo, table, "float32")
+    with pytest.raises(TypeError):
+        w.run_rank(q, kv, enable_pdl="yes")
+
+
 @pytest.mark.skipif("CUDA off" not in attnforge.build_info(), reason="this build has CUDA; see the GPU tests")
 def test_cpu_build_has_no_nccl():
     with pytest.raises(attnforge.UnsupportedError, match="nccl_unique_id: this build has no CUDA backend"):
