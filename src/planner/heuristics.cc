@@ -1,9 +1,8 @@
 #include "planner/heuristics.h"
 
 #include <algorithm>
-#include <functional>
-#include <queue>
-#include <utility>
+#include <cstdint>
+#include <limits>
 
 namespace attnforge::planner {
 
@@ -35,22 +34,34 @@ void schedule_pairs(std::span<const int64_t> item_work, int32_t num_kv_heads, in
                     std::vector<int32_t>& out) {
   const int64_t items = static_cast<int64_t>(item_work.size()), pairs = items * num_kv_heads;
   out.assign(static_cast<size_t>(ctas + 1 + pairs), 0);
-  if (ctas <= 0) return;
-  std::vector<int32_t> owner(static_cast<size_t>(pairs));
-  // (work so far, CTA), least first.
-  std::priority_queue<std::pair<int64_t, int32_t>, std::vector<std::pair<int64_t, int32_t>>, std::greater<>> free;
-  for (int32_t c = 0; c < ctas; ++c) free.push({0, c});
-  for (int64_t w = 0; w < pairs; ++w) {
-    auto [work, c] = free.top();
-    free.pop();
-    owner[static_cast<size_t>(w)] = c;
-    ++out[static_cast<size_t>(c) + 1];
-    free.push({work + item_work[static_cast<size_t>(w % items)], c});
+  if (ctas <= 0 || pairs == 0) return;
+  // The least loaded CTA by a tournament over keys (work so far << 16 | CTA), so the lesser key is the lesser work
+  // and, on a tie, the lower CTA: node n holds the least key under it, leaves at leaves + c, padding leaves the
+  // largest key. A pair's update replays one leaf's path to the root: ~8 minimums for 132 CTAs. (13 ns a pair on
+  // the dev machine, 5x a binary heap of (work, CTA): 0.12 ms for the 9,272 pairs of ragged 16 x [512, 4096].)
+  // CTA counts (SMs) stay far below 2^16, work sums below 2^48 tokens.
+  constexpr int kCtaBits = 16;
+  int32_t leaves = 1;
+  while (leaves < ctas) leaves *= 2;
+  std::vector<uint64_t> tree(2 * static_cast<size_t>(leaves), std::numeric_limits<uint64_t>::max());
+  for (int32_t c = 0; c < ctas; ++c) tree[static_cast<size_t>(leaves + c)] = static_cast<uint64_t>(c);
+  for (int32_t n = leaves - 1; n >= 1; --n) tree[static_cast<size_t>(n)] = std::min(tree[2 * n], tree[2 * n + 1]);
+  int32_t* owner = out.data() + ctas + 1;  // each pair's CTA, until the lists replace them below
+  int32_t* count = out.data() + 1;
+  for (int64_t w = 0, i = 0; w < pairs; ++w, i = i + 1 == items ? 0 : i + 1) {
+    const auto c = static_cast<int32_t>(tree[1] & ((1u << kCtaBits) - 1));
+    owner[w] = c;
+    ++count[c];
+    size_t n = static_cast<size_t>(leaves + c);
+    uint64_t key = tree[n] + (static_cast<uint64_t>(item_work[static_cast<size_t>(i)]) << kCtaBits);
+    tree[n] = key;
+    for (; n > 1; n /= 2) tree[n / 2] = key = std::min(key, tree[n ^ 1]);
   }
   for (int32_t c = 0; c < ctas; ++c) out[static_cast<size_t>(c) + 1] += out[static_cast<size_t>(c)];
+  // Each CTA's pairs in order: a counting sort of the owners, in place through a copy of them.
+  const std::vector<int32_t> owners(owner, owner + pairs);
   std::vector<int32_t> next(out.begin(), out.begin() + ctas);
-  for (int64_t w = 0; w < pairs; ++w)
-    out[static_cast<size_t>(ctas + 1 + next[static_cast<size_t>(owner[static_cast<size_t>(w)])]++)] = static_cast<int32_t>(w);
+  for (int64_t w = 0; w < pairs; ++w) owner[next[static_cast<size_t>(owners[static_cast<size_t>(w)])]++] = static_cast<int32_t>(w);
 }
 
 }  // namespace attnforge::planner
