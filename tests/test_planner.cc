@@ -90,6 +90,35 @@ TEST(PlannerHeuristics, SchedulePairsHandWorked) {
   EXPECT_EQ(out, (std::vector<int32_t>{0, 2, 6, 8, 0, 6, 1, 3, 5, 7, 2, 4})) << fmt::format("{}", out);
 }
 
+// The same lists as list scheduling written plainly (each pair to the least loaded CTA by a scan, ties to the lowest),
+// on random batches: item counts from 0, CTA counts that are and are not powers of two, equal works (ties).
+TEST(PlannerHeuristics, SchedulePairsIsListScheduling) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int32_t items = static_cast<int32_t>(rng() % 400), heads = 1 + static_cast<int32_t>(rng() % 8);
+    const int32_t ctas = 1 + static_cast<int32_t>(rng() % 150);
+    std::vector<int64_t> work(static_cast<size_t>(items));
+    for (int64_t& x : work) x = rng() % 4 == 0 ? 256 : 256 + static_cast<int64_t>(rng() % 5000);
+    std::vector<int64_t> load(static_cast<size_t>(ctas), 0);
+    std::vector<std::vector<int32_t>> lists(static_cast<size_t>(ctas));
+    for (int32_t w = 0; w < items * heads; ++w) {
+      const auto c = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      lists[c].push_back(w);
+      load[c] += work[static_cast<size_t>(w % items)];
+    }
+    std::vector<int32_t> expected(1, 0), pairs;
+    for (const auto& l : lists) {
+      pairs.insert(pairs.end(), l.begin(), l.end());
+      expected.push_back(static_cast<int32_t>(pairs.size()));
+    }
+    expected.insert(expected.end(), pairs.begin(), pairs.end());
+    std::vector<int32_t> out;
+    planner::schedule_pairs(work, heads, ctas, out);
+    ASSERT_EQ(out, expected) << "trial " << trial << ": " << items << " items, " << heads << " heads, " << ctas
+                             << " CTAs";
+  }
+}
+
 // The bench's ragged batch (16 causal requests of 512-4096 tokens, 32-token query tiles, 8 KV heads) over 132 CTAs:
 // every pair once, each CTA's pairs in the kernel's order, and the most loaded CTA within one item of the mean
 // (list scheduling's bound), where every 132nd pair from the CTA's index is 8% over it.
