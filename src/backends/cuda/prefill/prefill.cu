@@ -265,8 +265,8 @@ bool prefill_wgmma_serves(int head_dim, int tile_rows) {
 }
 
 bool prefill_persistent(int head_dim, int tile_rows) {
-  const int form = prefill_wgmma_form();
-  return prefill_wgmma_serves(head_dim, tile_rows) && (form == 2 || form == 3);
+  const auto form = static_cast<WgmmaForm>(prefill_wgmma_form());
+  return prefill_wgmma_serves(head_dim, tile_rows) && (form == WgmmaForm::kPipelined || form == WgmmaForm::kOverlapped);
 }
 
 bool prefill_schedule() {
