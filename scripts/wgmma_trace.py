@@ -11,12 +11,21 @@ import sys
 def main() -> int:
     name, path = sys.argv[1], sys.argv[2]
     sums = collections.defaultdict(collections.Counter)
+    # The computing side's busy cycles of each CTA, launch by launch (a launch's lines run from CTA 0 up): how even
+    # the persistent CTAs' loads came out (mean over max: 1 = every CTA busy until the last one finishes).
+    launches, last_cta = [], None
     for line in open(path, errors="replace"):
         if not line.startswith("wgmma-trace "):
             continue
         words = line.split()
         role, fields = words[1], words[2:]
         counts = {fields[i]: int(fields[i + 1]) for i in range(0, len(fields) - 1, 2)}
+        if role == "copier":
+            if last_cta is None or counts["cta"] <= last_cta:
+                launches.append({})
+            last_cta = counts["cta"]
+        elif launches:
+            launches[-1][counts["cta"]] = max(launches[-1].get(counts["cta"], 0), counts["total"])
         counts.pop("cta", None)
         sums[role].update(counts)
         sums[role]["ctas"] += 1
@@ -34,6 +43,10 @@ def main() -> int:
               f"{total / tiles:.0f} a tile")
         print(f"    share: {parts}, other {100.0 * (total - sum(c[k] for k in phases)) / total:.1f}%")
         print(f"    cycles an item: {per_item}")
+    balance = [sum(b.values()) / len(b) / max(b.values()) for b in launches if b and max(b.values()) > 0]
+    if balance:
+        print(f"trace {name} balance (computing side, mean over max CTA cycles): {len(balance)} launches, "
+              f"{min(balance):.3f}-{max(balance):.3f}, mean {sum(balance) / len(balance):.3f}")
     return 0
 
 

@@ -7,6 +7,7 @@
 #include "attnforge/kernel/variant_hooks.h"
 #include "attnforge/ops.h"
 #include "attnforge/plan.h"
+#include "planner/heuristics.h"
 
 namespace attnforge::detail {
 
@@ -40,6 +41,8 @@ class Backend {
     (void)shape, (void)tile_rows;
     return 0;
   }
+  // The fixed cost of a persistent kernel's item besides its KV tokens, in KV tokens, as schedule_pairs weighs it.
+  virtual int64_t item_work_tokens() const { return planner::kItemWorkTokens; }
   // Whether kernels read the plan from the workspace (device memory) rather than from the plan object.
   virtual bool plan_in_device_memory() const { return false; }
   // Copies host bytes to device memory, asynchronously on `stream` (device backends only).

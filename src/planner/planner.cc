@@ -280,9 +280,10 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     if (ctas > 0 && plan.item_capacity > 0) {
       plan.schedule_ctas = ctas;
       std::vector<int64_t> work(static_cast<size_t>(num_items));
+      const int64_t item_work = backend.item_work_tokens();
       for (int32_t i = 0; i < num_items; ++i) {
         const WorkItem& it = plan.items[static_cast<size_t>(num_items - 1 - i)];  // the kernels' order
-        work[static_cast<size_t>(i)] = static_cast<int64_t>(it.kv_end - it.kv_begin) + planner::kItemWorkTokens;
+        work[static_cast<size_t>(i)] = static_cast<int64_t>(it.kv_end - it.kv_begin) + item_work;
       }
       planner::schedule_pairs(work, shape.num_kv_heads, plan.schedule_ctas, plan.schedule);
     }

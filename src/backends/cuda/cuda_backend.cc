@@ -164,6 +164,12 @@ class CudaBackend final : public Backend {
     DeviceGuard guard(device_);
     return cuda::prefill_persistent(normalized(shape).head_dim_qk, tile_rows) ? sms_ : 0;
   }
+  // ATTNFORGE_PREFILL_ITEM_WORK (0 to 65536 KV tokens) overrides the planner's estimate for tuning runs (README).
+  int64_t item_work_tokens() const override {
+    static const int64_t tokens =
+        detail::env_int("ATTNFORGE_PREFILL_ITEM_WORK", 0, 65536, static_cast<int32_t>(planner::kItemWorkTokens));
+    return tokens;
+  }
 
   void copy_to_device(void* dst, const void* src, size_t bytes, Stream stream) override {
     DeviceGuard guard(device_);
