@@ -377,9 +377,10 @@ void print_wgmma_trace(cudaStream_t stream) {
       o = h[cta][1 + g];
       std::printf("wgmma-trace consumer%d cta %d items %lld tiles %lld total %lld masked_tiles %lld setup %lld "
                   "first %lld wait %lld plain %lld masked %lld store %lld qwait %lld stage %lld lastpv %lld ssync %lld "
-                  "between %lld sfence %lld\n",
+                  "between %lld sfence %lld q_wait %lld q_empty %lld q_top %lld q_issue %lld q_ready %lld "
+                  "q_late %lld\n",
                   g, cta, o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10], o[11], o[12], o[13],
-                  o[14], o[15]);
+                  o[14], o[15], o[16], o[17], o[18], o[19], o[20], o[21]);
     }
   }
 }

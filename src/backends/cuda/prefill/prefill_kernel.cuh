@@ -55,8 +55,10 @@ template <bool kSoftmax>
 __device__ __forceinline__ void row_scale(const VariantParams& vp, int head, float m, float l, float v_scale,
                                           bool final_row, float* lse, float* f) {
   if constexpr (kSoftmax) {
-    *lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
-    *f = l > 0.f ? v_scale / l : 0.f;
+    // l >= 1 (the row's largest logit counts 2^0): the hardware's approximate log2 and division are within a few
+    // ulp there, and skip the library's range reduction and the division's slow-path test on an item's last step.
+    *lse = l > 0.f ? m + __log2f(l) : -ATTNFORGE_INFINITY;
+    *f = l > 0.f ? __fdividef(v_scale, l) : 0.f;
     if (final_row) *f *= apply_sink(vp, head, lse);
   } else {
     *lse = __int_as_float(0x7fc00000);

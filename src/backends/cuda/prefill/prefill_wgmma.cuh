@@ -28,7 +28,7 @@ namespace attnforge::cuda {
 // printf: a call in the kernel made ptxas serialize the wgmma products. Production builds compile none of it.
 #if defined(ATTNFORGE_WGMMA_TRACE) && ATTNFORGE_WGMMA_TRACE
 #define ATTNFORGE_TRACE(...) __VA_ARGS__
-constexpr int kTraceCtas = 1024, kTraceFields = 16;
+constexpr int kTraceCtas = 1024, kTraceFields = 22;
 static __device__ long long wgmma_trace[kTraceCtas][3][kTraceFields];  // [slot][copier, computing 0, 1][field]
 // Adds one side's counters (the order run_prefill prints) to the slot of this CTA (persistent forms: its index;
 // the warp-specialized form's many CTAs share slots modulo kTraceCtas).
@@ -54,6 +54,16 @@ struct ConsumerTrace {
   long long lastpv = 0;             // kOverlapped: the item's last P V, issued after the loop and waited for
   long long ssync = 0, between = 0;  // the staged store's barrier; from an item's last lap to the next item's start
   long long sfence = 0;              // the staged store's proxy fence (before boxes of O), apart from its writes
+  // kCopierQ: the wait on q_full alone (q_wait, part of qwait), and when the copier got to the item whose Q it
+  // waits for, in SM clock cycles from the start of that wait (negative: before it): its stage wait for the last
+  // tile of the item before (q_empty), the top of its item (q_top), its Q request (q_issue) and its bounds published
+  // (q_ready); q_late counts the items whose bounds came after the wait had begun.
+  long long q_wait = 0, q_empty = 0, q_top = 0, q_issue = 0, q_ready = 0, q_late = 0;
+  // The copier's times for this item (s_qtrace of the Q buffer), the wait on q_full from k1 to k2.
+  __device__ __forceinline__ void copier_times(const long long (&c)[4], long long k1, long long k2) {
+    q_wait += k2 - k1;
+    q_empty += c[0] - k1, q_top += c[1] - k1, q_issue += c[2] - k1, q_ready += c[3] - k1, q_late += c[3] > k1;
+  }
   __device__ __forceinline__ void lap(long long& phase) {
     const long long now = trace_clock();
     phase += now - t;
@@ -62,7 +72,8 @@ struct ConsumerTrace {
   __device__ __forceinline__ void report(int cwg) {
     if ((threadIdx.x & 127) == 0)
       trace_add(1 + cwg, {items, tiles, trace_clock() - begin, masked_tiles, setup, first, wait, plain, masked, store,
-                          qwait, stage, lastpv, ssync, between, sfence});
+                          qwait, stage, lastpv, ssync, between, sfence, q_wait, q_empty, q_top, q_issue, q_ready,
+                          q_late});
   }
 };
 #else
@@ -780,6 +791,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   // still stalled them ~1,700 cycles an item (H200 trace at 1d7130c, "qwait").
   constexpr bool kCopierQ = Tr::kQBuffers == 2;
   __shared__ int4 s_qinfo[2][8], s_qrows[2];
+  ATTNFORGE_TRACE(__shared__ long long s_qtrace[2][4];)  // the copier's times for the item of each Q buffer
   __shared__ alignas(8) uint64_t q_full[2], q_empty[2];
   uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);  // panels need 1024-byte alignment
   uint8_t* sQ = smem;
@@ -812,11 +824,12 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
   if (wg == 0) {
     mbar::shrink_registers<Tr::kProducerRegs>();
     ATTNFORGE_TRACE(long long tr_range = 0, tr_fetch = 0, tr_empty = 0, tr_load = 0, tr_items = 0, tr_tiles = 0;
-                    const long long tr_begin = clock64(); long long tr_t = tr_begin;)
+                    const long long tr_begin = clock64(); long long tr_t = tr_begin;
+                    long long tr_qt[4] = {tr_begin, tr_begin, tr_begin, tr_begin};)
     const PairWalk walk = PairWalk::make(p, num_work);
     int w_next = walk.at_or_0(walk.begin);  // the next pair's number, loaded an item ahead
     for (int k = walk.begin; k < walk.end; k += walk.step) {
-      ATTNFORGE_TRACE(tr_t = clock64(); ++tr_items;)
+      ATTNFORGE_TRACE(tr_t = clock64(); ++tr_items; tr_qt[1] = tr_t;)
       const int w = w_next;
       w_next = walk.at_or_0(k + walk.step);
       const int kv_head = w / num_items;
@@ -855,6 +868,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
             for (int panel = 0; panel < D / 64; ++panel)
               tma::load_3d(sQ + qb * Tr::kQBytes + panel * (Tr::kRows * 128), &p.tma_q, 64 * panel, kv_head * group,
                            m.qo_start + it.qo_begin + row0 / group, &q_full[qb]);
+            ATTNFORGE_TRACE(tr_qt[2] = clock64();)
           } else {
             mbar::arrive(&q_full[qb]);
           }
@@ -862,6 +876,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
           load_query_rows<D, Tr::kRows, 128, true>(p, it, m.qo_start, row0, m.rows, group, kv_head,
                                                    reinterpret_cast<uint16_t*>(sQ + qb * Tr::kQBytes));
           mbar::arrive_on_copies(&q_full[qb]);
+          ATTNFORGE_TRACE(tr_qt[2] = clock64();)
         }
       }
       lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, 16));
@@ -869,7 +884,10 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       if (lane == 0) s_range[parity][warp] = make_int2(lo, hi);
       mbar::named_sync(1, 128);  // also: every copier thread is done with the last item's offset slots
       if constexpr (kCopierQ)
-        if (threadIdx.x == 0) mbar::arrive(&q_full[qb]);  // after every copier warp's bounds (the named barrier)
+        if (threadIdx.x == 0) {
+          ATTNFORGE_TRACE(tr_qt[3] = clock64(); for (int i = 0; i < 4; ++i) s_qtrace[qb][i] = tr_qt[i];)
+          mbar::arrive(&q_full[qb]);  // after every copier warp's bounds (the named barrier)
+        }
       int range_lo = it.kv_end, range_hi = it.kv_begin;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -939,7 +957,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         }
         ATTNFORGE_TRACE(tr_now = clock64(); tr_fetch += tr_now - tr_t; tr_t = tr_now;)
         if (count >= S) mbar::wait(&empty[s], ((count / S) & 1) ^ 1);  // the consumers read this stage's last tile
-        ATTNFORGE_TRACE(tr_now = clock64(); tr_empty += tr_now - tr_t; tr_t = tr_now;)
+        ATTNFORGE_TRACE(tr_now = clock64(); tr_empty += tr_now - tr_t; tr_t = tr_now; tr_qt[0] = tr_now;)
         mbar::named_sync(1, 128);
         // kOverlap: K one tile ahead of V: tile t's K as soon as its stage's last K has been read (its S done),
         // then tile t - 1's V, whose stage frees only when the P V before it completes, an iteration later.
@@ -1025,8 +1043,9 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
         // The copier's Q and bounds (s_qinfo); then the buffer of the last item's boxes of O, if this thread issued
         // them, is released once they have read it (issued before this wait, so normally done by now).
         qb = q_items & 1;
+        ATTNFORGE_TRACE(const long long tr_k1 = trace_clock();)
         mbar::wait(&q_full[qb], (q_items++ / 2) & 1);
-        ATTNFORGE_TRACE(tr.lap(tr.qwait);)
+        ATTNFORGE_TRACE(tr.copier_times(s_qtrace[qb], tr_k1, trace_clock()); tr.lap(tr.qwait);)
         if (q_release >= 0) {
           tma::store_wait_read();
           mbar::arrive(&q_empty[q_release]);
