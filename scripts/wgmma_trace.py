@@ -36,7 +36,8 @@ def main() -> int:
         c = sums[role]
         total, items, tiles = c["total"], max(c["items"], 1), max(c["tiles"], 1)
         # q_*: times of the copier relative to the start of the computing side's wait for Q (not phases).
-        phases = [k for k in c if k not in ("ctas", "items", "tiles", "masked_tiles", "total") and not k.startswith("q_")]
+        skip = ("ctas", "items", "tiles", "masked_tiles", "total")
+        phases = [k for k in c if k not in skip and not k.startswith("q_")]
         parts = ", ".join(f"{k} {100.0 * c[k] / total:.1f}%" for k in phases)
         per_item = ", ".join(f"{k} {c[k] / items:.0f}" for k in phases)
         print(f"trace {name} {role}: {c['ctas']} CTA-launches, {c['items']} items, {c['tiles']} tiles "
@@ -46,8 +47,9 @@ def main() -> int:
         print(f"    cycles an item: {per_item}")
         if "q_top" in c:
             rel = ", ".join(f"{k[2:]} {c[k] / items:+.0f}" for k in ("q_empty", "q_top", "q_issue", "q_ready"))
-            print(f"    the wait on Q alone {c['q_wait'] / items:.0f} cycles an item; the copier, cycles from its start "
-                  f"(an item's average): {rel}; bounds late in {100.0 * c['q_late'] / items:.1f}% of items")
+            alone = f"the wait on Q alone {c['q_wait'] / items:.0f} cycles an item; " if "q_wait" in c else ""
+            print(f"    {alone}the copier, cycles from the start of the wait for Q (an item's average): {rel}; "
+                  f"bounds late in {100.0 * c['q_late'] / items:.1f}% of items")
     balance = [sum(b.values()) / len(b) / max(b.values()) for b in launches if b and max(b.values()) > 0]
     if balance:
         print(f"trace {name} balance (computing side, mean over max CTA cycles): {len(balance)} launches, "
