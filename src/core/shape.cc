@@ -103,12 +103,11 @@ KVParams paged_kv_params(const PagedKVCache& kv) {
 
 PlanLayout plan_layout(const AttentionPlan& plan) {
   const int64_t batch = plan.batch_size;
-  const int64_t schedule = plan.schedule_ctas > 0
-                               ? plan.schedule_ctas + 1 + static_cast<int64_t>(plan.item_capacity) * plan.shape.num_kv_heads
-                               : 0;
+  const int64_t pairs = static_cast<int64_t>(plan.item_capacity) * plan.shape.num_kv_heads;
+  const int64_t schedule = plan.schedule_ctas > 0 ? plan.schedule_ctas + 1 + pairs : 0;
   PlanLayout l{};
   // The schedule first: its place does not depend on the capacities, which AttentionParams::schedule relies on.
-  l.schedule = align256(sizeof(PlanView));
+  l.schedule = plan_schedule_offset();
   l.qo_indptr = l.schedule + align256(schedule * sizeof(int32_t));
   l.kv_len = l.qo_indptr + align256((batch + 1) * sizeof(int32_t));
   l.items = l.kv_len + align256(batch * sizeof(int32_t));
@@ -116,5 +115,7 @@ PlanLayout plan_layout(const AttentionPlan& plan) {
   l.end = l.merges + align256(plan.merge_capacity * sizeof(MergeItem));
   return l;
 }
+
+size_t plan_schedule_offset() { return align256(sizeof(PlanView)); }
 
 }  // namespace attnforge::detail

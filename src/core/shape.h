@@ -30,6 +30,8 @@ struct PlanLayout {
   size_t schedule, qo_indptr, kv_len, items, merges, end;
 };
 PlanLayout plan_layout(const AttentionPlan& plan);
+// The schedule's offset, the same for every plan (run() needs it alone).
+size_t plan_schedule_offset();
 
 // K/V pointers, dtype, format, page size, heads, strides (by layout) and scales of a paged cache whose views
 // were validated; page ids and indptr are left to the caller.

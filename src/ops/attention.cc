@@ -381,8 +381,8 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
       fail(ErrorKind::kPlanMismatch, "plan: not uploaded to this workspace ({}); call upload_plan(plan, workspace, "
            "staging, ...) after planning and before run()", ws.data);
     p.plan = static_cast<const PlanView*>(ws.data);
-    if (plan.schedule_ctas > 0) p.schedule = reinterpret_cast<const int32_t*>(
-                                    static_cast<const char*>(ws.data) + detail::plan_layout(plan).schedule);
+    if (plan.schedule_ctas > 0)
+      p.schedule = reinterpret_cast<const int32_t*>(static_cast<const char*>(ws.data) + detail::plan_schedule_offset());
   } else {
     host_view = plan_view(plan, ws.data);
     host_view.qo_indptr = plan.qo_indptr.data();

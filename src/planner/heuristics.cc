@@ -61,7 +61,8 @@ void schedule_pairs(std::span<const int64_t> item_work, int32_t num_kv_heads, in
   // Each CTA's pairs in order: a counting sort of the owners, in place through a copy of them.
   const std::vector<int32_t> owners(owner, owner + pairs);
   std::vector<int32_t> next(out.begin(), out.begin() + ctas);
-  for (int64_t w = 0; w < pairs; ++w) owner[next[static_cast<size_t>(owners[static_cast<size_t>(w)])]++] = static_cast<int32_t>(w);
+  for (int64_t w = 0; w < pairs; ++w)
+    owner[next[static_cast<size_t>(owners[static_cast<size_t>(w)])]++] = static_cast<int32_t>(w);
 }
 
 }  // namespace attnforge::planner
