@@ -20,6 +20,16 @@ class Backend {
   // Parallel workers plan() balances over for this shape and kind of plan (CPU threads; SMs x resident CTAs of
   // the kernel that runs it). `tile_rows`: the prefill plan's packed query rows per tile (0 for decode plans).
   virtual int32_t num_workers(const AttentionShape& shape, PlanKind kind, int32_t tile_rows) const = 0;
+  // A deeper K/V pipeline for decode batches too small to fill the device: a batch of fewer (request, KV head)
+  // pairs than `workers` is planned for that many workers and run with `stages` (AttentionPlan::kv_stages). Called
+  // by plan() only for batches under num_workers(). {0, 0}: one pipeline serves every batch.
+  struct Pipeline {
+    int32_t stages = 0, workers = 0;
+  };
+  virtual Pipeline small_batch_pipeline(const AttentionShape& shape) const {
+    (void)shape;
+    return {};
+  }
   // Shortest KV piece worth splitting off: below it a split's partial-state write and merge cost more than the
   // parallelism gains.
   virtual int32_t min_split_tokens() const { return 256; }

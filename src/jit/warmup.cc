@@ -96,6 +96,10 @@ WarmupReport warmup_with(KernelCache& cache, const CacheSettings& settings, cons
         std::vector<KernelKey> ks;
         if (c.kind == PlanKind::kDecode) {
           ks.push_back(decode_key(c.shape, arch));
+          // The small-batch pipeline's kernel, which plan() loads for batches too small to fill the GPU.
+          const AttentionShape& s = c.shape;
+          if (const int stages = cuda::small_batch_decode_stages(s.head_dim_qk, s.q_dtype, s.kv_dtype))
+            ks.push_back(decode_key(s, arch, DecodeTile{stages}));
         } else {
           // Both row tiles: run() picks one per plan (prefill_plan_rows), and neither may compile at run time.
           ks.push_back(prefill_key(c.shape, arch, c.rope));

@@ -372,6 +372,7 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
   p.qo_tile = plan.qo_tile;
   p.tile_rows = plan.tile_rows;
   p.max_merge_states = plan.max_merge_states;
+  p.kv_stages = plan.kv_stages;
   p.schedule_ctas = plan.schedule_ctas;
   p.programmatic_launch = options.programmatic_launch ? 1 : 0;
   PlanView& host_view = prepared.host_view;

@@ -206,8 +206,18 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     }
   }
 
-  const int32_t workers =
+  int32_t workers =
       a.options.num_workers > 0 ? a.options.num_workers : backend.num_workers(shape, kind, plan.tile_rows);
+  // A decode batch too small to fill the device may run with a deeper K/V pipeline (fewer CTAs, more bytes in flight
+  // each): decided by the batch size, not the tiles (an empty request has none), so that a graph captured with one
+  // plan launches the kernel every re-plan of the batch size wants. Not with a caller's worker count.
+  if (kind == PlanKind::kDecode && a.options.num_workers == 0 && batch * shape.num_kv_heads < workers) {
+    const detail::Backend::Pipeline deep = backend.small_batch_pipeline(shape);
+    if (deep.stages > 0 && batch * shape.num_kv_heads < deep.workers) {
+      workers = deep.workers;
+      plan.kv_stages = deep.stages;
+    }
+  }
   planner::SplitInput in;
   in.num_tiles = static_cast<int64_t>(tiles.size());
   in.num_kv_heads = shape.num_kv_heads;
@@ -305,10 +315,11 @@ AttentionPlan plan_batch_prefill(const BatchPlanArgs& args) { return make_plan(a
 
 std::string AttentionPlan::describe() const {
   return fmt::format("AttentionPlan v{} {}{} on {}: batch {}, {} query rows, {} KV with page size {}, qo_tile {}{}, "
-                     "kv_chunk {}, {} items, {} merges, workspace {} bytes",
+                     "{}kv_chunk {}, {} items, {} merges, workspace {} bytes",
                      version, kind == PlanKind::kDecode ? "decode" : "prefill", causal ? " (causal)" : "",
                      to_string(device), batch_size, total_qo, to_string(kv_format), page_size, qo_tile,
-                     tile_rows > 0 ? fmt::format(" ({} rows)", tile_rows) : std::string(), kv_chunk, items.size(),
+                     tile_rows > 0 ? fmt::format(" ({} rows)", tile_rows) : std::string(),
+                     kv_stages > 0 ? fmt::format("{} K/V stages, ", kv_stages) : std::string(), kv_chunk, items.size(),
                      merges.size(), workspace_bytes);
 }
 

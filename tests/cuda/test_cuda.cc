@@ -916,6 +916,67 @@ TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
 
 }
 
+// Decode batches too small to fill the GPU run the small-batch pipeline (AttentionPlan::kv_stages: 3 K/V stages at
+// head_dim 128 with 16-bit K/V, two CTAs per SM), chosen by the batch size alone. Its kernel gives the default
+// kernel's bits on the same items (a plan for the same workers without it), and larger batches, head_dim 64 and fp8
+// K/V keep the default.
+TEST(CudaSmallBatchPipeline, ChosenByBatchSizeGivesTheDefaultKernelsBits) {
+  CaseSpec s = serving_decode(3, 0, 16);
+  s.kv_lens = {9001, 17, 3000};
+  s.qo_lens = {1, 2, 1};
+  s.seed = 93;
+  Case c = make_case(s);
+  DeviceCase dev(c);
+  AttentionPlan deep = cuda_decode_plan(c);
+  ASSERT_EQ(deep.kv_stages, 3) << deep.describe();
+  ASSERT_FALSE(deep.merges.empty()) << deep.describe();
+  int sms = 0;
+  ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  BatchPlanArgs args = c.plan_args();
+  args.device = Device::cuda(0);
+  args.options.num_workers = 2 * sms;  // the small-batch pipeline's workers: two of its CTAs fit an SM
+  AttentionPlan plain = plan_batch_decode(args);
+  EXPECT_EQ(plain.kv_stages, 0) << "a caller's worker count keeps the default pipeline";
+  ASSERT_EQ(plain.items.size(), deep.items.size()) << plain.describe() << "\n" << deep.describe();
+  for (size_t i = 0; i < deep.items.size(); ++i) {
+    const WorkItem &a = deep.items[i], &b = plain.items[i];
+    ASSERT_TRUE(a.request == b.request && a.qo_begin == b.qo_begin && a.qo_end == b.qo_end &&
+                a.kv_begin == b.kv_begin && a.kv_end == b.kv_end)
+        << "item " << i << " differs: the plans do not cut the same pieces";
+  }
+  auto output_bytes = [&](AttentionPlan& plan) {
+    const UploadedPlan uploaded(plan);
+    c.poison_outputs();
+    dev.upload_outputs(c);
+    run(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, uploaded.w, nullptr);
+    EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    dev.download_outputs(c);
+    const Verdict v = check_case(c, {});
+    EXPECT_TRUE(v.ok) << plan.describe() << ": " << v.message;
+    const uint8_t* o = static_cast<const uint8_t*>(c.out_view.data);
+    return std::vector<uint8_t>(o, o + c.out_view.numel() * 2);
+  };
+  EXPECT_TRUE(output_bytes(deep) == output_bytes(plain)) << "the small-batch pipeline changed the bits";
+
+  // Which batches take it: (batch, head_dim, K/V dtype, Q dtype).
+  struct Shape {
+    int32_t batch, head_dim;
+    DType kv, q;
+  };
+  for (const Shape& t : {Shape{1, 128, DType::kBFloat16, DType::kBFloat16}, Shape{32, 128, DType::kFloat16, DType::kFloat16},
+                         Shape{33, 128, DType::kBFloat16, DType::kBFloat16}, Shape{64, 128, DType::kBFloat16, DType::kBFloat16},
+                         Shape{2, 64, DType::kBFloat16, DType::kBFloat16}, Shape{2, 256, DType::kBFloat16, DType::kBFloat16},
+                         Shape{2, 128, DType::kFloat8E4M3, DType::kBFloat16}}) {
+    CaseSpec u = serving_decode(t.batch, 300, 16);
+    u.head_dim_qk = t.head_dim, u.kv_dtype = t.kv, u.q_dtype = t.q, u.o_dtype = t.q;
+    const Case small = make_case(u);
+    const AttentionPlan p = cuda_decode_plan(small);
+    const bool wanted = t.head_dim == 128 && t.kv == t.q && t.batch * 8 < 2 * sms;
+    EXPECT_EQ(p.kv_stages, wanted ? 3 : 0) << "batch " << t.batch << ", head_dim " << t.head_dim << ", K/V "
+                                           << to_string(t.kv) << ": " << p.describe();
+  }
+}
+
 // Deterministic mode: a request's output is bit-identical alone and inside a larger batch. "Alone" is the
 // batch's first request planned and run as a batch of one over the same memory (the CSR arrays' prefixes).
 TEST(CudaDeterminism, SameBitsWhateverTheBatch) {

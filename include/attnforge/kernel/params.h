@@ -133,6 +133,7 @@ struct AttentionParams {
   int32_t item_capacity, merge_capacity, qo_tile;
   int32_t tile_rows;  // the plan's tile_rows: which prefill kernel (CTA rows) serves it
   int32_t max_merge_states;  // the plan's: which shape of merge kernel launch serves it
+  int32_t kv_stages;         // the plan's: the decode kernel's K/V stages (0: the default instantiation's)
   // The plan's schedule_ctas: the persistent prefill kernel's grid, whose CTAs walk `schedule` (AttentionPlan::
   // schedule in the workspace: schedule_ctas + 1 offsets, then the (KV head, item) pairs); 0: each CTA walks every
   // gridDim.x-th pair (set to 0 by the CUDA backend under ATTNFORGE_PREFILL_SCHEDULE=0). A launch parameter rather

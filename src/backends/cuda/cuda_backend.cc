@@ -137,6 +137,21 @@ class CudaBackend final : public Backend {
       return sms_ * cuda::prefill_ctas_per_sm(s.head_dim_qk, tile_rows);
     return sms_ * cuda::decode_ctas_per_sm(s.head_dim_qk, s.kv_dtype);
   }
+  // Decode batches too small to fill the SMs run three stages where small_batch_decode_stages names them (two CTAs
+  // per SM, two tiles in flight each). Off under ATTNFORGE_DECODE_STAGES (a tuning run's stages serve every batch) and
+  // with ATTNFORGE_DECODE_SMALL_BATCH=0 (A/B runs; README).
+  Pipeline small_batch_pipeline(const AttentionShape& shape) const override {
+    static const bool enabled = detail::env_choice("ATTNFORGE_DECODE_SMALL_BATCH", {"0", "1"}, "1") == "1" &&
+                                detail::env_int("ATTNFORGE_DECODE_STAGES", 1, 16, 0) == 0;
+    const AttentionShape s = normalized(shape);
+    const int32_t stages = cuda::small_batch_decode_stages(s.head_dim_qk, s.q_dtype, s.kv_dtype);
+    if (!enabled || stages == 0) return {};
+    DeviceGuard guard(device_);
+    const int32_t ctas = jit::cuda_kernels() == jit::CudaKernels::kNvrtc
+                             ? jit_kernels().small_batch_ctas_per_sm(s, stages)
+                             : cuda::decode_small_batch_ctas_per_sm(s.head_dim_qk, s.q_dtype, s.kv_dtype);
+    return ctas > 0 ? Pipeline{stages, sms_ * ctas} : Pipeline{};
+  }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).
   // The short tile (64 rows) when the batch's requests pack at most that many rows on average, else the head dim's
   // (prefill_tile_rows: 128 up to head_dim 128, and at 256 where the Hopper kernel serves it); run() launches the
@@ -178,6 +193,14 @@ class CudaBackend final : public Backend {
 
   void attention(const AttentionParams& p, PlanKind kind, Stream stream) override {
     expect_kernel_layout(p);
+    if (p.kv_stages != 0) {  // the small-batch pipeline (small_batch_pipeline), the only stages a plan names
+      const int32_t deep = cuda::small_batch_decode_stages(p.head_dim_qk, p.q_dtype, p.kv.dtype);
+      if (kind != PlanKind::kDecode || p.kv_stages != deep)
+        fail(ErrorKind::kUnsupported,
+             "plan.kv_stages {}: the CUDA {} kernels for head_dim {} with {} K/V take {{0 (the default){}}}; plan "
+             "again on this backend", p.kv_stages, kind == PlanKind::kDecode ? "decode" : "prefill", p.head_dim_qk,
+             to_string(p.kv.dtype), kind == PlanKind::kDecode && deep > 0 ? fmt::format(", {}", deep) : std::string());
+    }
     DeviceGuard guard(device_);
     const auto cuda_stream = static_cast<cudaStream_t>(stream);
     if (jit::cuda_kernels() == jit::CudaKernels::kNvrtc)

@@ -7,6 +7,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/decode/decode.h"
+#include "backends/cuda/decode/decode_defaults.cuh"
 #include "backends/cuda/driver_api.h"
 #include "backends/cuda/merge/merge.h"
 #include "backends/cuda/prefill/prefill.h"
@@ -35,14 +36,16 @@ LaunchConfig launch_config(const jit::KernelKey& key, const AttentionParams& p) 
 JitKernels::JitKernels(int device, int major, int minor)
     : device_(device), arch_(jit::arch_for_device(major, minor)) {}
 
-jit::KernelKey JitKernels::key_for(PlanKind kind, const AttentionShape& shape, bool rope, int32_t rows) const {
+jit::KernelKey JitKernels::key_for(PlanKind kind, const AttentionShape& shape, bool rope, int32_t rows,
+                                   int32_t stages) const {
   if (kind == PlanKind::kPrefill) {
     jit::PrefillTile tile;
     tile.rows = rows;
     return jit::prefill_key(shape, arch_, rope, tile);
   }
-  // ATTNFORGE_DECODE_STAGES: the decode tile's cp.async stages for tuning runs (README); the key validates it.
-  const int stages = detail::env_int("ATTNFORGE_DECODE_STAGES", 1, 16, 0);
+  // ATTNFORGE_DECODE_STAGES: the decode tile's cp.async stages for tuning runs (README); the key validates it. A
+  // plan's own stages (the small-batch pipeline: AttentionPlan::kv_stages) are never made under it.
+  if (stages == 0) stages = detail::env_int("ATTNFORGE_DECODE_STAGES", 1, 16, 0);
   if (stages == 0) return jit::decode_key(shape, arch_);
   return jit::decode_key(shape, arch_, jit::DecodeTile{stages});
 }
@@ -81,26 +84,31 @@ const JitKernels::Kernels& JitKernels::kernels(const jit::KernelKey& key) {
 }
 
 const JitKernels::Kernels& JitKernels::kernels_for(PlanKind kind, const AttentionShape& shape, bool rope,
-                                                    int32_t rows) {
+                                                    int32_t rows, int32_t stages) {
   const int dim_index = shape.head_dim_qk == 64 ? 0 : shape.head_dim_qk == 128 ? 1 : shape.head_dim_qk == 256 ? 2 : -1;
   // The kernel variant: decode with K/V in Q's dtype, e4m3 or e5m2 (0-2); prefill without or with RoPE (3, 4),
-  // and the same with the short row tile (5, 6).
+  // and the same with the short row tile (5, 6); decode with K/V in Q's dtype in the small-batch pipeline (7). Other
+  // decode stages (tuning runs) go through the map.
   const bool same_kv = shape.kv_dtype == shape.q_dtype;
+  const bool small_batch =
+      stages != 0 && stages == small_batch_decode_stages(shape.head_dim_qk, shape.q_dtype, shape.kv_dtype);
+  if (kind != PlanKind::kPrefill && stages != 0 && !small_batch) return kernels(key_for(kind, shape, rope, rows, stages));
   if (kind == PlanKind::kPrefill && rows == cuda::prefill_rows(shape.head_dim_qk)) rows = 0;
   int variant = -1;
   if (kind == PlanKind::kPrefill)
     variant = same_kv ? 3 + rope + (rows == 0 ? 0 : 2) : -1;
   else
-    variant = same_kv                                  ? 0
+    variant = small_batch                              ? 7
+              : same_kv                              ? 0
               : shape.kv_dtype == DType::kFloat8E4M3 ? 1
               : shape.kv_dtype == DType::kFloat8E5M2 ? 2
                                                      : -1;
   const bool indexed = dim_index >= 0 && variant >= 0 &&
                        (shape.q_dtype == DType::kFloat16 || shape.q_dtype == DType::kBFloat16);
-  if (!indexed) return kernels(key_for(kind, shape, rope, rows));  // throws kUnsupported naming what no kernel serves
+  if (!indexed) return kernels(key_for(kind, shape, rope, rows, stages));  // throws kUnsupported naming what no kernel serves
   std::atomic<const Kernels*>& slot = by_shape_[(variant * 3 + dim_index) * 2 + (shape.q_dtype == DType::kBFloat16)];
   if (const Kernels* k = slot.load(std::memory_order_acquire)) return *k;
-  const Kernels& k = kernels(key_for(kind, shape, rope, rows));
+  const Kernels& k = kernels(key_for(kind, shape, rope, rows, stages));
   slot.store(&k, std::memory_order_release);
   return k;
 }
@@ -120,11 +128,16 @@ int JitKernels::ctas_per_sm(const AttentionShape& shape, PlanKind kind) {
   return n;
 }
 
+int JitKernels::small_batch_ctas_per_sm(const AttentionShape& shape, int32_t stages) {
+  return kernels_for(PlanKind::kDecode, shape, false, 0, stages).ctas_per_sm;
+}
+
 void JitKernels::run(const AttentionParams& p, PlanKind kind, cudaStream_t stream) {
   const AttentionShape shape{p.num_qo_heads, p.num_kv_heads, p.head_dim_qk, p.head_dim_vo,
                              p.q_dtype,      p.kv.dtype,     p.o_dtype};
   const bool prefill = kind == PlanKind::kPrefill;
-  const Kernels& k = kernels_for(kind, shape, prefill && p.variant.rope.enabled, prefill ? prefill_plan_rows(p) : 0);
+  const Kernels& k = kernels_for(kind, shape, prefill && p.variant.rope.enabled, prefill ? prefill_plan_rows(p) : 0,
+                                 prefill ? 0 : p.kv_stages);
   const LaunchConfig c = launch_config(k.key, p);
   AttentionParams params = p;
   void* args[] = {&params};

@@ -35,7 +35,9 @@ class JitKernels {
   const Kernels& kernels(const jit::KernelKey& key);
   // The key run() uses: the family of the plan, the default tiles (what the nvcc build instantiates); a prefill
   // key with `rows` packed query rows per CTA (0: the head dim's; see prefill_plan_rows).
-  jit::KernelKey key_for(PlanKind kind, const AttentionShape& shape, bool rope = false, int32_t rows = 0) const;
+  // A decode key with `stages` K/V stages (0: ATTNFORGE_DECODE_STAGES where set, else the default).
+  jit::KernelKey key_for(PlanKind kind, const AttentionShape& shape, bool rope = false, int32_t rows = 0,
+                         int32_t stages = 0) const;
   const std::string& arch() const { return arch_; }
 
   // For plan(): loads the kernels run() may launch for the shape and returns the CTAs of one per SM. A prefill plan
@@ -43,6 +45,9 @@ class JitKernels {
   // of other query lengths, so every prefill kernel of the shape is loaded (with and without RoPE, both row tiles),
   // and neither run() nor a graph capture ever compiles; the count is the plain kernel's, as in the nvcc build.
   int ctas_per_sm(const AttentionShape& shape, PlanKind kind);
+  // The same for the decode kernel of the small-batch pipeline (`stages`: small_batch_decode_stages of the shape),
+  // which plan() then loads for run().
+  int small_batch_ctas_per_sm(const AttentionShape& shape, int32_t stages);
   void run(const AttentionParams& p, PlanKind kind, cudaStream_t stream);
   // A custom variant's decode kernel (`key` from key_for and KernelKey::set_variant), compiled or loaded on first
   // use. Plans with split KV are refused by run_variant before this.
@@ -50,14 +55,16 @@ class JitKernels {
 
  private:
   // run() finds the kernels of the shapes run() accepts (decode with K/V in Q's dtype, e4m3 or e5m2, prefill,
-  // prefill with RoPE, each prefill with the short row tile x 3 head dims x 2 Q dtypes) without a lock or a string.
-  const Kernels& kernels_for(PlanKind kind, const AttentionShape& shape, bool rope, int32_t rows = 0);
+  // prefill with RoPE, each prefill with the short row tile, decode in the small-batch pipeline x 3 head dims x 2 Q
+  // dtypes) without a lock or a string.
+  const Kernels& kernels_for(PlanKind kind, const AttentionShape& shape, bool rope, int32_t rows = 0,
+                             int32_t stages = 0);
 
   int device_;
   std::string arch_;
   std::mutex mutex_;
   std::map<std::string, Kernels> loaded_;  // by kernel name (unique per key)
-  std::array<std::atomic<const Kernels*>, 42> by_shape_{};
+  std::array<std::atomic<const Kernels*>, 48> by_shape_{};  // 8 variants x 3 head dims x 2 Q dtypes
 };
 
 // The launch configuration of a key's attention kernel for a batch (decode_launch_config, prefill_launch_config).

@@ -11,6 +11,9 @@ namespace attnforge::cuda {
 
 namespace {
 
+// The small-batch pipeline's stages where it is instantiated (small_batch_decode_stages: head_dim 128, 16-bit K/V).
+constexpr int kSmallBatchStages = 3;
+
 // bf16 and fp16 instantiations use the same threads and shared memory; so do e4m3 and e5m2.
 template <int D, typename KV>
 KernelAttributes attributes_for(int stages) {
@@ -26,12 +29,19 @@ KernelAttributes attributes_for(DType kv_dtype, int stages) {
   return is_fp8(kv_dtype) ? attributes_for<D, E4M3>(stages) : attributes_for<D, Bf16>(stages);
 }
 
-template <int D>
+template <int D, int kStages = kDefaultDecodeStages>
 void launch_16bit(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
   if (p.q_dtype == DType::kBFloat16)
-    launch_decode<DecodeTraits<D, Bf16>>(p, dims, stream);
+    launch_decode<DecodeTraits<D, Bf16, kStages>>(p, dims, stream);
   else
-    launch_decode<DecodeTraits<D, F16>>(p, dims, stream);
+    launch_decode<DecodeTraits<D, F16, kStages>>(p, dims, stream);
+}
+
+// The stages run_decode launches for a plan: its kv_stages where the planner chose the small-batch pipeline (the
+// build instantiates it where small_batch_decode_stages names it; CudaBackend::attention checks the plan's value),
+// else the default.
+int plan_stages(const AttentionParams& p) {
+  return p.kv_stages > 0 ? p.kv_stages : default_decode_stages(p.kv.dtype);
 }
 
 }  // namespace
@@ -54,6 +64,11 @@ bool decode_programmatic_launch() {
   return allowed && compute_capability() >= 90;
 }
 
+int decode_small_batch_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype) {
+  if (small_batch_decode_stages(head_dim, q_dtype, kv_dtype) != kSmallBatchStages) return 0;
+  return configure_decode<DecodeTraits<128, Bf16, kSmallBatchStages>>();  // fp16 Q: the same attributes
+}
+
 int decode_ctas_per_sm(int head_dim, DType kv_dtype) {
   if (is_fp8(kv_dtype)) return decode_fp8_ctas_per_sm(head_dim, kv_dtype);
   switch (head_dim) {
@@ -65,8 +80,11 @@ int decode_ctas_per_sm(int head_dim, DType kv_dtype) {
 }
 
 void run_decode(const AttentionParams& p, cudaStream_t stream) {
-  const LaunchConfig c = decode_launch_config(p, default_decode_stages(p.kv.dtype));
-  if (is_fp8(p.kv.dtype)) {
+  const int stages = plan_stages(p);
+  const LaunchConfig c = decode_launch_config(p, stages);
+  if (stages == kSmallBatchStages && !is_fp8(p.kv.dtype) && p.head_dim_qk == 128) {
+    launch_16bit<128, kSmallBatchStages>(p, c.attention, stream);
+  } else if (is_fp8(p.kv.dtype)) {
     launch_decode_fp8(p, c.attention, stream);
   } else {
     switch (p.head_dim_qk) {

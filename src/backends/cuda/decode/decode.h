@@ -21,6 +21,9 @@ bool decode_programmatic_launch();
 
 // The nvcc-compiled kernels (the default tile configuration, default_decode_stages(kv_dtype)).
 int decode_ctas_per_sm(int head_dim, DType kv_dtype);
+// The CTAs per SM of the small-batch pipeline's kernel for the shape (small_batch_decode_stages), 0 where none is
+// built. run_decode launches it for plans whose kv_stages name it.
+int decode_small_batch_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype);
 void run_decode(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace attnforge::cuda
