@@ -916,10 +916,10 @@ TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
 
 }
 
-// Decode batches too small to fill the GPU run the small-batch pipeline (AttentionPlan::kv_stages: 3 K/V stages at
-// head_dim 128 with 16-bit K/V, two CTAs per SM), chosen by the batch size alone. Its kernel gives the default
-// kernel's bits on the same items (a plan for the same workers without it), and larger batches, head_dim 64 and fp8
-// K/V keep the default.
+// Decode batches too small to fill the GPU run the small-batch pipeline (AttentionPlan::kv_stages: 3 K/V stages with
+// 16-bit K/V; two CTAs per SM at head_dim 128 on sm_90), chosen by the batch size alone. Its kernel gives the default
+// kernel's bits on the same items (a plan for the same workers without it), and larger batches and fp8 K/V keep the
+// default.
 TEST(CudaSmallBatchPipeline, ChosenByBatchSizeGivesTheDefaultKernelsBits) {
   CaseSpec s = serving_decode(3, 0, 16);
   s.kv_lens = {9001, 17, 3000};
@@ -963,15 +963,21 @@ TEST(CudaSmallBatchPipeline, ChosenByBatchSizeGivesTheDefaultKernelsBits) {
     int32_t batch, head_dim;
     DType kv, q;
   };
+  // Batch 64 has 512 (request, KV head) pairs, more than any head dim's CTAs per SM x 132 SMs; batch 32 and 33
+  // straddle head_dim 128's two CTAs per SM (sm_90: 228 KB of shared memory an SM for 100 KB CTAs).
+  int major = 0;
+  ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   for (const Shape& t : {Shape{1, 128, DType::kBFloat16, DType::kBFloat16}, Shape{32, 128, DType::kFloat16, DType::kFloat16},
                          Shape{33, 128, DType::kBFloat16, DType::kBFloat16}, Shape{64, 128, DType::kBFloat16, DType::kBFloat16},
-                         Shape{2, 64, DType::kBFloat16, DType::kBFloat16}, Shape{2, 256, DType::kBFloat16, DType::kBFloat16},
+                         Shape{1, 64, DType::kBFloat16, DType::kBFloat16}, Shape{64, 64, DType::kFloat16, DType::kFloat16},
+                         Shape{1, 256, DType::kBFloat16, DType::kBFloat16}, Shape{64, 256, DType::kBFloat16, DType::kBFloat16},
                          Shape{2, 128, DType::kFloat8E4M3, DType::kBFloat16}}) {
+    if (major != 9 && (t.head_dim == 256 || t.batch == 32 || t.batch == 33)) continue;  // other shared memory sizes
     CaseSpec u = serving_decode(t.batch, 300, 16);
     u.head_dim_qk = t.head_dim, u.kv_dtype = t.kv, u.q_dtype = t.q, u.o_dtype = t.q;
     const Case small = make_case(u);
     const AttentionPlan p = cuda_decode_plan(small);
-    const bool wanted = t.head_dim == 128 && t.kv == t.q && t.batch * 8 < 2 * sms;
+    const bool wanted = t.kv == t.q && t.batch < 64 && (t.head_dim != 128 || t.batch * 8 < 2 * sms);
     EXPECT_EQ(p.kv_stages, wanted ? 3 : 0) << "batch " << t.batch << ", head_dim " << t.head_dim << ", K/V "
                                            << to_string(t.kv) << ": " << p.describe();
   }

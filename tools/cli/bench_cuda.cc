@@ -137,6 +137,13 @@ std::vector<GpuBenchCase> gpu_suite(bool quick) {
   v.push_back({"decode 1x32768", gpu_decode(1, 32768), true});
   v.push_back({"decode 16x2048", gpu_decode(16, 2048), true});
   v.push_back({"decode 1x2048", gpu_decode(1, 2048), true});
+  // The same split steps at head_dim 64 and 256 (the small-batch pipeline serves all three head dims).
+  for (const int32_t d : {64, 256})
+    for (const auto& [batch, kv] : {std::pair{1, 32768}, std::pair{16, 2048}}) {
+      testing::CaseSpec s = gpu_decode(batch, kv);
+      s.head_dim_qk = d;
+      v.push_back({fmt::format("decode {}x{} d{}", batch, kv, d), s, true});
+    }
   v.push_back({"decode 64x4096 uniform", gpu_decode(64, 4096)});
   testing::CaseSpec zipf = gpu_decode(64, 4096);
   zipf.kv_lens = zipf_lengths(64, 64 * 4096);

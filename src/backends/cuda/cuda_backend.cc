@@ -137,8 +137,8 @@ class CudaBackend final : public Backend {
       return sms_ * cuda::prefill_ctas_per_sm(s.head_dim_qk, tile_rows);
     return sms_ * cuda::decode_ctas_per_sm(s.head_dim_qk, s.kv_dtype);
   }
-  // Decode batches too small to fill the SMs run three stages where small_batch_decode_stages names them (two CTAs
-  // per SM, two tiles in flight each). Off under ATTNFORGE_DECODE_STAGES (a tuning run's stages serve every batch) and
+  // Decode batches too small to fill the SMs run three stages where small_batch_decode_stages names them (two tiles
+  // in flight a CTA) and the GPU's shared memory takes them. Off under ATTNFORGE_DECODE_STAGES (a tuning run's stages serve every batch) and
   // with ATTNFORGE_DECODE_SMALL_BATCH=0 (A/B runs; README).
   Pipeline small_batch_pipeline(const AttentionShape& shape) const override {
     static const bool enabled = detail::env_choice("ATTNFORGE_DECODE_SMALL_BATCH", {"0", "1"}, "1") == "1" &&
@@ -147,6 +147,9 @@ class CudaBackend final : public Backend {
     const int32_t stages = cuda::small_batch_decode_stages(s.head_dim_qk, s.q_dtype, s.kv_dtype);
     if (!enabled || stages == 0) return {};
     DeviceGuard guard(device_);
+    int smem_optin = 0;  // a GPU whose CTAs cannot have the deeper pipeline's shared memory (sm_80 at head_dim 256)
+    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
+    if (cuda::decode_attributes(s.head_dim_qk, s.kv_dtype, stages).max_dynamic_smem > smem_optin) return {};
     const int32_t ctas = jit::cuda_kernels() == jit::CudaKernels::kNvrtc
                              ? jit_kernels().small_batch_ctas_per_sm(s, stages)
                              : cuda::decode_small_batch_ctas_per_sm(s.head_dim_qk, s.q_dtype, s.kv_dtype);

@@ -11,7 +11,7 @@ namespace attnforge::cuda {
 
 namespace {
 
-// The small-batch pipeline's stages where it is instantiated (small_batch_decode_stages: head_dim 128, 16-bit K/V).
+// The small-batch pipeline's stages where it is instantiated (small_batch_decode_stages: 16-bit K/V).
 constexpr int kSmallBatchStages = 3;
 
 // bf16 and fp16 instantiations use the same threads and shared memory; so do e4m3 and e5m2.
@@ -66,7 +66,12 @@ bool decode_programmatic_launch() {
 
 int decode_small_batch_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype) {
   if (small_batch_decode_stages(head_dim, q_dtype, kv_dtype) != kSmallBatchStages) return 0;
-  return configure_decode<DecodeTraits<128, Bf16, kSmallBatchStages>>();  // fp16 Q: the same attributes
+  switch (head_dim) {  // fp16 Q: the same attributes
+    case 64: return configure_decode<DecodeTraits<64, Bf16, kSmallBatchStages>>();
+    case 128: return configure_decode<DecodeTraits<128, Bf16, kSmallBatchStages>>();
+    case 256: return configure_decode<DecodeTraits<256, Bf16, kSmallBatchStages>>();
+    default: return 0;
+  }
 }
 
 int decode_ctas_per_sm(int head_dim, DType kv_dtype) {
@@ -82,8 +87,13 @@ int decode_ctas_per_sm(int head_dim, DType kv_dtype) {
 void run_decode(const AttentionParams& p, cudaStream_t stream) {
   const int stages = plan_stages(p);
   const LaunchConfig c = decode_launch_config(p, stages);
-  if (stages == kSmallBatchStages && !is_fp8(p.kv.dtype) && p.head_dim_qk == 128) {
-    launch_16bit<128, kSmallBatchStages>(p, c.attention, stream);
+  if (stages == kSmallBatchStages && !is_fp8(p.kv.dtype)) {
+    switch (p.head_dim_qk) {
+      case 64: launch_16bit<64, kSmallBatchStages>(p, c.attention, stream); break;
+      case 128: launch_16bit<128, kSmallBatchStages>(p, c.attention, stream); break;
+      case 256: launch_16bit<256, kSmallBatchStages>(p, c.attention, stream); break;
+      default: break;  // rejected by CudaBackend::check before any launch
+    }
   } else if (is_fp8(p.kv.dtype)) {
     launch_decode_fp8(p, c.attention, stream);
   } else {
