@@ -74,8 +74,9 @@ struct AttentionPlan {
   int32_t qo_tile = 0;        // query tokens per item (decode: a whole request)
   int32_t tile_rows = 0;      // prefill: the packed rows per tile the plan was cut for (a device's CTA rows); decode 0
   // Decode: the K/V pipeline stages the plan was cut for, where the device runs batches too small to fill it with
-  // a deeper pipeline than the others (CUDA: 3 stages at head_dim 128 with 16-bit K/V, for batch x KV heads under
-  // SMs x 2); 0: the kernel's default. Set from the batch size alone, so every re-plan of a batch size agrees.
+  // a deeper pipeline than the others (CUDA: 3 stages with 16-bit K/V at head_dim 128, for batch x KV heads under
+  // SMs x 2, and 256, under SMs); 0: the kernel's default. Set from the batch size alone, so every re-plan of a batch
+  // size agrees.
   int32_t kv_stages = 0;
   int32_t max_merge_states = 0;  // the most partial states one merge combines (0: no merges)
   int32_t kv_chunk = 0;       // the longest KV piece of a split item (at least the planned chunk); 0: not split

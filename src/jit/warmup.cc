@@ -96,7 +96,9 @@ WarmupReport warmup_with(KernelCache& cache, const CacheSettings& settings, cons
         std::vector<KernelKey> ks;
         if (c.kind == PlanKind::kDecode) {
           ks.push_back(decode_key(c.shape, arch));
-          // The small-batch pipeline's kernel, which plan() loads for batches too small to fill the GPU.
+          // The small-batch pipeline's kernel, which plan() loads for batches too small to fill the GPU (compiled for
+          // every architecture named; where a GPU's shared memory cannot hold it, sm_8x at head_dim 256, plan()
+          // keeps the default kernel and this one goes unused).
           const AttentionShape& s = c.shape;
           if (const int stages = cuda::small_batch_decode_stages(s.head_dim_qk, s.q_dtype, s.kv_dtype))
             ks.push_back(decode_key(s, arch, DecodeTile{stages}));

@@ -917,9 +917,9 @@ TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
 }
 
 // Decode batches too small to fill the GPU run the small-batch pipeline (AttentionPlan::kv_stages: 3 K/V stages with
-// 16-bit K/V; two CTAs per SM at head_dim 128 on sm_90), chosen by the batch size alone. Its kernel gives the default
-// kernel's bits on the same items (a plan for the same workers without it), and larger batches and fp8 K/V keep the
-// default.
+// 16-bit K/V at head_dim 128 and 256; two CTAs per SM at head_dim 128 on sm_90), chosen by the batch size alone. Its
+// kernel gives the default kernel's bits on the same items (a plan for the same workers without it), and larger
+// batches, head_dim 64 and fp8 K/V keep the default.
 TEST(CudaSmallBatchPipeline, ChosenByBatchSizeGivesTheDefaultKernelsBits) {
   CaseSpec s = serving_decode(3, 0, 16);
   s.kv_lens = {9001, 17, 3000};
@@ -977,7 +977,7 @@ TEST(CudaSmallBatchPipeline, ChosenByBatchSizeGivesTheDefaultKernelsBits) {
     u.head_dim_qk = t.head_dim, u.kv_dtype = t.kv, u.q_dtype = t.q, u.o_dtype = t.q;
     const Case small = make_case(u);
     const AttentionPlan p = cuda_decode_plan(small);
-    const bool wanted = t.kv == t.q && t.batch < 64 && (t.head_dim != 128 || t.batch * 8 < 2 * sms);
+    const bool wanted = t.kv == t.q && t.head_dim != 64 && t.batch < 64 && (t.head_dim != 128 || t.batch * 8 < 2 * sms);
     EXPECT_EQ(p.kv_stages, wanted ? 3 : 0) << "batch " << t.batch << ", head_dim " << t.head_dim << ", K/V "
                                            << to_string(t.kv) << ": " << p.describe();
   }

@@ -67,7 +67,6 @@ bool decode_programmatic_launch() {
 int decode_small_batch_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype) {
   if (small_batch_decode_stages(head_dim, q_dtype, kv_dtype) != kSmallBatchStages) return 0;
   switch (head_dim) {  // fp16 Q: the same attributes
-    case 64: return configure_decode<DecodeTraits<64, Bf16, kSmallBatchStages>>();
     case 128: return configure_decode<DecodeTraits<128, Bf16, kSmallBatchStages>>();
     case 256: return configure_decode<DecodeTraits<256, Bf16, kSmallBatchStages>>();
     default: return 0;
@@ -89,7 +88,6 @@ void run_decode(const AttentionParams& p, cudaStream_t stream) {
   const LaunchConfig c = decode_launch_config(p, stages);
   if (stages == kSmallBatchStages && !is_fp8(p.kv.dtype)) {
     switch (p.head_dim_qk) {
-      case 64: launch_16bit<64, kSmallBatchStages>(p, c.attention, stream); break;
       case 128: launch_16bit<128, kSmallBatchStages>(p, c.attention, stream); break;
       case 256: launch_16bit<256, kSmallBatchStages>(p, c.attention, stream); break;
       default: break;  // rejected by CudaBackend::check before any launch

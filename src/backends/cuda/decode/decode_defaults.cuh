@@ -18,13 +18,14 @@ constexpr int default_decode_stages(DType kv_dtype) {
   return is_fp8(kv_dtype) ? kDefaultDecodeStagesFp8 : kDefaultDecodeStages;
 }
 // Decode batches too small to fill the GPU (the planner's small-batch pipeline, Backend::small_batch_pipeline):
-// three stages, so two tiles in flight per CTA (head_dim 128: two CTAs per SM, 128 KB in flight per SM against 96 KB
-// for three CTAs of two stages; head_dim 64: three CTAs either way, 96 KB against 48; head_dim 256: one CTA, 128 KB
-// against 64). Measured on the H200 at head_dim 128 (NVRTC, session 22: 1 x 32768 -5%, 16 x 2048 -4%, 1 x 2048 -5% a
-// call in a graph of many; 64 x 4096, 3.3 waves, +1%: larger batches keep two stages). 16-bit K/V (fp8 K/V runs four
-// stages of half the bytes already); 0: the default stages serve every batch of the shape.
+// three stages, so two tiles in flight per CTA: at head_dim 128 two CTAs per SM, 128 KB in flight per SM against
+// 96 KB for three CTAs of two stages (H200, session 22: 1 x 32768 and 16 x 2048 -4%, 1 x 2048 -5% a call in a graph
+// of many; 64 x 4096, 3.3 waves, +1% with three stages: larger batches keep two); at head_dim 256 one CTA either way,
+// 128 KB against 64 (-2 to -3%). At head_dim 64 (three CTAs either way, 96 KB against 48) it measured level: not
+// used there. 16-bit K/V (fp8 K/V runs four stages of half the bytes already); 0: the default stages serve every
+// batch of the shape.
 constexpr int small_batch_decode_stages(int head_dim, DType q_dtype, DType kv_dtype) {
-  return (head_dim == 64 || head_dim == 128 || head_dim == 256) && kv_dtype == q_dtype ? 3 : 0;
+  return (head_dim == 128 || head_dim == 256) && kv_dtype == q_dtype ? 3 : 0;
 }
 #endif
 
