@@ -967,11 +967,10 @@ TEST(CudaSmallBatchPipeline, ChosenByBatchSizeGivesTheDefaultKernelsBits) {
   // straddle head_dim 128's two CTAs per SM (sm_90: 228 KB of shared memory an SM for 100 KB CTAs).
   int major = 0;
   ASSERT_EQ(cudaSuccess, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-  for (const Shape& t : {Shape{1, 128, DType::kBFloat16, DType::kBFloat16}, Shape{32, 128, DType::kFloat16, DType::kFloat16},
-                         Shape{33, 128, DType::kBFloat16, DType::kBFloat16}, Shape{64, 128, DType::kBFloat16, DType::kBFloat16},
-                         Shape{1, 64, DType::kBFloat16, DType::kBFloat16}, Shape{64, 64, DType::kFloat16, DType::kFloat16},
-                         Shape{1, 256, DType::kBFloat16, DType::kBFloat16}, Shape{64, 256, DType::kBFloat16, DType::kBFloat16},
-                         Shape{2, 128, DType::kFloat8E4M3, DType::kBFloat16}}) {
+  constexpr DType kB = DType::kBFloat16, kH = DType::kFloat16;
+  for (const Shape& t : {Shape{1, 128, kB, kB}, Shape{32, 128, kH, kH}, Shape{33, 128, kB, kB}, Shape{64, 128, kB, kB},
+                         Shape{1, 64, kB, kB}, Shape{64, 64, kH, kH}, Shape{1, 256, kB, kB}, Shape{64, 256, kB, kB},
+                         Shape{2, 128, DType::kFloat8E4M3, kB}}) {
     if (major != 9 && (t.head_dim == 256 || t.batch == 32 || t.batch == 33)) continue;  // other shared memory sizes
     CaseSpec u = serving_decode(t.batch, 300, 16);
     u.head_dim_qk = t.head_dim, u.kv_dtype = t.kv, u.q_dtype = t.q, u.o_dtype = t.q;

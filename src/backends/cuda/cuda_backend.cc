@@ -138,8 +138,8 @@ class CudaBackend final : public Backend {
     return sms_ * cuda::decode_ctas_per_sm(s.head_dim_qk, s.kv_dtype);
   }
   // Decode batches too small to fill the SMs run three stages where small_batch_decode_stages names them (two tiles
-  // in flight a CTA) and the GPU's shared memory takes them. Off under ATTNFORGE_DECODE_STAGES (a tuning run's stages serve every batch) and
-  // with ATTNFORGE_DECODE_SMALL_BATCH=0 (A/B runs; README).
+  // in flight a CTA) and the GPU's shared memory takes them. Off under ATTNFORGE_DECODE_STAGES (a tuning run's stages
+  // serve every batch) and with ATTNFORGE_DECODE_SMALL_BATCH=0 (A/B runs; README).
   Pipeline small_batch_pipeline(const AttentionShape& shape) const override {
     static const bool enabled = detail::env_choice("ATTNFORGE_DECODE_SMALL_BATCH", {"0", "1"}, "1") == "1" &&
                                 detail::env_int("ATTNFORGE_DECODE_STAGES", 1, 16, 0) == 0;

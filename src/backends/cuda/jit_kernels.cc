@@ -92,7 +92,8 @@ const JitKernels::Kernels& JitKernels::kernels_for(PlanKind kind, const Attentio
   const bool same_kv = shape.kv_dtype == shape.q_dtype;
   const bool small_batch =
       stages != 0 && stages == small_batch_decode_stages(shape.head_dim_qk, shape.q_dtype, shape.kv_dtype);
-  if (kind != PlanKind::kPrefill && stages != 0 && !small_batch) return kernels(key_for(kind, shape, rope, rows, stages));
+  if (kind != PlanKind::kPrefill && stages != 0 && !small_batch)
+    return kernels(key_for(kind, shape, rope, rows, stages));
   if (kind == PlanKind::kPrefill && rows == cuda::prefill_rows(shape.head_dim_qk)) rows = 0;
   int variant = -1;
   if (kind == PlanKind::kPrefill)
@@ -105,7 +106,8 @@ const JitKernels::Kernels& JitKernels::kernels_for(PlanKind kind, const Attentio
                                                      : -1;
   const bool indexed = dim_index >= 0 && variant >= 0 &&
                        (shape.q_dtype == DType::kFloat16 || shape.q_dtype == DType::kBFloat16);
-  if (!indexed) return kernels(key_for(kind, shape, rope, rows, stages));  // throws kUnsupported naming what no kernel serves
+  // Not indexed: kernels() throws kUnsupported naming what no kernel serves.
+  if (!indexed) return kernels(key_for(kind, shape, rope, rows, stages));
   std::atomic<const Kernels*>& slot = by_shape_[(variant * 3 + dim_index) * 2 + (shape.q_dtype == DType::kBFloat16)];
   if (const Kernels* k = slot.load(std::memory_order_acquire)) return *k;
   const Kernels& k = kernels(key_for(kind, shape, rope, rows, stages));
