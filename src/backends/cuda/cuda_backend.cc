@@ -88,6 +88,7 @@ class CudaBackend final : public Backend {
     sms_ = prop.multiProcessorCount;
     major_ = prop.major;
     minor_ = prop.minor;
+    smem_optin_ = static_cast<int>(prop.sharedMemPerBlockOptin);
   }
 
   const char* name() const override { return "cuda"; }
@@ -146,10 +147,9 @@ class CudaBackend final : public Backend {
     const AttentionShape s = normalized(shape);
     const int32_t stages = cuda::small_batch_decode_stages(s.head_dim_qk, s.q_dtype, s.kv_dtype);
     if (!enabled || stages == 0) return {};
+    // A GPU whose CTAs cannot have the deeper pipeline's shared memory (sm_80 at head_dim 256) keeps the default.
+    if (cuda::decode_attributes(s.head_dim_qk, s.kv_dtype, stages).max_dynamic_smem > smem_optin_) return {};
     DeviceGuard guard(device_);
-    int smem_optin = 0;  // a GPU whose CTAs cannot have the deeper pipeline's shared memory (sm_80 at head_dim 256)
-    ATTNFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
-    if (cuda::decode_attributes(s.head_dim_qk, s.kv_dtype, stages).max_dynamic_smem > smem_optin) return {};
     const int32_t ctas = jit::cuda_kernels() == jit::CudaKernels::kNvrtc
                              ? jit_kernels().small_batch_ctas_per_sm(s, stages)
                              : cuda::decode_small_batch_ctas_per_sm(s.head_dim_qk, s.q_dtype, s.kv_dtype);
@@ -247,6 +247,7 @@ class CudaBackend final : public Backend {
 
   int device_;
   int sms_ = 0, major_ = 0, minor_ = 0;
+  int smem_optin_ = 0;  // the most shared memory one CTA may opt in to
   mutable std::once_flag jit_once_;
   mutable std::unique_ptr<cuda::JitKernels> jit_;
 };

@@ -11,9 +11,6 @@ namespace attnforge::cuda {
 
 namespace {
 
-// The small-batch pipeline's stages where it is instantiated (small_batch_decode_stages: 16-bit K/V).
-constexpr int kSmallBatchStages = 3;
-
 // bf16 and fp16 instantiations use the same threads and shared memory; so do e4m3 and e5m2.
 template <int D, typename KV>
 KernelAttributes attributes_for(int stages) {
@@ -65,10 +62,10 @@ bool decode_programmatic_launch() {
 }
 
 int decode_small_batch_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype) {
-  if (small_batch_decode_stages(head_dim, q_dtype, kv_dtype) != kSmallBatchStages) return 0;
+  if (small_batch_decode_stages(head_dim, q_dtype, kv_dtype) != kSmallBatchDecodeStages) return 0;
   switch (head_dim) {  // fp16 Q: the same attributes
-    case 128: return configure_decode<DecodeTraits<128, Bf16, kSmallBatchStages>>();
-    case 256: return configure_decode<DecodeTraits<256, Bf16, kSmallBatchStages>>();
+    case 128: return configure_decode<DecodeTraits<128, Bf16, kSmallBatchDecodeStages>>();
+    case 256: return configure_decode<DecodeTraits<256, Bf16, kSmallBatchDecodeStages>>();
     default: return 0;
   }
 }
@@ -86,10 +83,10 @@ int decode_ctas_per_sm(int head_dim, DType kv_dtype) {
 void run_decode(const AttentionParams& p, cudaStream_t stream) {
   const int stages = plan_stages(p);
   const LaunchConfig c = decode_launch_config(p, stages);
-  if (stages == kSmallBatchStages && !is_fp8(p.kv.dtype)) {
+  if (stages == kSmallBatchDecodeStages && !is_fp8(p.kv.dtype)) {
     switch (p.head_dim_qk) {
-      case 128: launch_16bit<128, kSmallBatchStages>(p, c.attention, stream); break;
-      case 256: launch_16bit<256, kSmallBatchStages>(p, c.attention, stream); break;
+      case 128: launch_16bit<128, kSmallBatchDecodeStages>(p, c.attention, stream); break;
+      case 256: launch_16bit<256, kSmallBatchDecodeStages>(p, c.attention, stream); break;
       default: break;  // rejected by CudaBackend::check before any launch
     }
   } else if (is_fp8(p.kv.dtype)) {

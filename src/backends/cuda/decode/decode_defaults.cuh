@@ -11,6 +11,8 @@ namespace attnforge::cuda {
 constexpr int kDefaultDecodeStages = 2;
 // fp8 K/V: four stages of half-size tiles, the shared memory of two 16-bit stages.
 constexpr int kDefaultDecodeStagesFp8 = 4;
+// The small-batch pipeline's stages (small_batch_decode_stages below names the shapes that take them).
+constexpr int kSmallBatchDecodeStages = 3;
 
 #if !defined(__CUDACC_RTC__)  // host code only (NVRTC takes no host functions)
 constexpr bool is_fp8(DType t) { return t == DType::kFloat8E4M3 || t == DType::kFloat8E5M2; }
@@ -25,7 +27,7 @@ constexpr int default_decode_stages(DType kv_dtype) {
 // used there. 16-bit K/V (fp8 K/V runs four stages of half the bytes already); 0: the default stages serve every
 // batch of the shape.
 constexpr int small_batch_decode_stages(int head_dim, DType q_dtype, DType kv_dtype) {
-  return (head_dim == 128 || head_dim == 256) && kv_dtype == q_dtype ? 3 : 0;
+  return (head_dim == 128 || head_dim == 256) && kv_dtype == q_dtype ? kSmallBatchDecodeStages : 0;
 }
 #endif
 
