@@ -77,6 +77,11 @@ def describe(decode, merge):
         out.append(f"  merge: {len(merge)} CTAs, start {fmt([r[0] - t0 for r in merge])} us, past the wait "
                    f"{fmt([r[2] - t0 for r in merge if r[2]])} us, end {fmt([r[1] - t0 for r in merge])} us; "
                    f"step span {(max(r[1] for r in merge) - t0) / 1e3:.1f} us")
+        steps = [r for r in merge if r[2] and r[3] and r[4] and r[5]]  # the block shape's first row, trace builds
+        if steps:
+            out.append(f"    past the wait to: LSEs known {fmt([r[3] - r[2] for r in steps])} us, O summed "
+                       f"{fmt([r[4] - r[2] for r in steps])} us, warps met {fmt([r[5] - r[2] for r in steps])} us, "
+                       f"end {fmt([r[1] - r[2] for r in steps])} us")
     return span, out
 
 

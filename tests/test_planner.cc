@@ -236,6 +236,19 @@ std::string plan_violation(const AttentionPlan& p, const Batch& b, bool causal) 
   if (p.total_qo != b.qo_indptr.back()) return fmt::format("total_qo {}", p.total_qo);
   const int64_t num_items = static_cast<int64_t>(p.items.size());
 
+  // Every item carries its request's context (WorkItem), as the batch's arrays give it.
+  for (int64_t i = 0; i < num_items; ++i) {
+    const WorkItem& it = p.items[i];
+    if (it.request < 0 || it.request >= B) return fmt::format("item {}: request {}", i, it.request);
+    const size_t r = static_cast<size_t>(it.request);
+    const int32_t page_list = b.format == KVFormat::kBlockTable ? 0 : b.kv_indptr[r];
+    if (it.qo_start != b.qo_indptr[r] || it.qo_len != b.qo_lens[r] || it.kv_len != b.kv_lens[r] ||
+        it.page_list != page_list)
+      return fmt::format("item {} of request {}: context qo_start {} qo_len {} kv_len {} page_list {}, expected {} {} "
+                         "{} {}", i, r, it.qo_start, it.qo_len, it.kv_len, it.page_list, b.qo_indptr[r],
+                         b.qo_lens[r], b.kv_lens[r], page_list);
+  }
+
   // A tile is an unsplit item or a merge with its items; every split item must belong to exactly one merge,
   // and a merge's items must be consecutive and cover the merge's rows.
   std::vector<int32_t> owner(p.items.size(), -1);
@@ -414,6 +427,9 @@ TEST(PlanInvariants, ViolationsAreDetected) {
   for (MergeItem& m : light_first.merges) m.first_item += 1;
   EXPECT_NE(plan_violation(light_first, bd, false).find("not longest first"), std::string::npos)
       << plan_violation(light_first, bd, false);
+  AttentionPlan stale_context = good;
+  stale_context.items.back().page_list += 1;
+  EXPECT_NE(plan_violation(stale_context, bt, false).find("context"), std::string::npos);
   AttentionPlan big_ws = good;
   big_ws.workspace_bytes += 256;
   EXPECT_NE(plan_violation(big_ws, bt, false), "");

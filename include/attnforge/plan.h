@@ -61,7 +61,7 @@ struct BatchPlanArgs {
 };
 
 struct AttentionPlan {
-  static constexpr int32_t kVersion = 3;  // 2: the persistent kernel's schedule; 3: kv_stages
+  static constexpr int32_t kVersion = 4;  // 2: the persistent kernel's schedule; 3: kv_stages; 4: WorkItem context
   int32_t version = kVersion;
   PlanKind kind = PlanKind::kDecode;
   Device device{};

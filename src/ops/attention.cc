@@ -382,6 +382,7 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
       fail(ErrorKind::kPlanMismatch, "plan: not uploaded to this workspace ({}); call upload_plan(plan, workspace, "
            "staging, ...) after planning and before run()", ws.data);
     p.plan = static_cast<const PlanView*>(ws.data);
+    p.items = reinterpret_cast<const WorkItem*>(static_cast<const char*>(ws.data) + detail::plan_layout(plan).items);
     if (plan.schedule_ctas > 0)
       p.schedule = reinterpret_cast<const int32_t*>(static_cast<const char*>(ws.data) + detail::plan_schedule_offset());
   } else {
@@ -391,6 +392,7 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
     host_view.items = plan.items.data();
     host_view.merges = plan.merges.data();
     p.plan = &host_view;
+    p.items = host_view.items;
   }
 }
 

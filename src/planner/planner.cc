@@ -256,7 +256,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     }
     const int32_t pieces = piece > 0 ? (t.kv_end + piece - 1) / piece : 1;
     if (pieces <= 1) {
-      plan.items.push_back({t.request, t.qo_begin, t.qo_end, 0, t.kv_end, -1});
+      plan.items.push_back({t.request, t.qo_begin, t.qo_end, 0, t.kv_end, -1, 0, 0, 0, 0});
       continue;
     }
     plan.kv_chunk = std::max(plan.kv_chunk, piece);  // the longest piece, which rounding down can stretch
@@ -264,7 +264,8 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     plan.max_merge_states = std::max(plan.max_merge_states, pieces);
     for (int32_t p = 0; p < pieces; ++p) {
       const int32_t k0 = p * piece, k1 = std::min(t.kv_end, k0 + piece);
-      plan.items.push_back({t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows)});
+      plan.items.push_back(
+          {t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows), 0, 0, 0, 0});
       plan.partial_rows += t.qo_end - t.qo_begin;
     }
   }
@@ -272,6 +273,19 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
   if (kind == PlanKind::kDecode) order_longest_first(plan);
 
   plan.fingerprint = detail::batch_fingerprint(plan.kv_format, plan.page_size, plan.kv_len);
+  // Each item carries its request's context (WorkItem): the kernels need no trip to the request arrays.
+  std::vector<int32_t> page_lists(static_cast<size_t>(batch), 0);
+  if (a.kv_format != KVFormat::kBlockTable) {
+    auto indptr = detail::host_int32(a.kv_indptr, "kv_indptr", batch + 1);
+    for (int64_t b = 0; b < batch; ++b) page_lists[static_cast<size_t>(b)] = indptr[b];
+  }
+  for (WorkItem& it : plan.items) {
+    const size_t b = static_cast<size_t>(it.request);
+    it.qo_start = plan.qo_indptr[b];
+    it.qo_len = plan.qo_indptr[b + 1] - it.qo_start;
+    it.kv_len = plan.kv_len[b];
+    it.page_list = page_lists[b];
+  }
   const int32_t num_items = static_cast<int32_t>(plan.items.size());
   if (backend.plan_in_device_memory()) {
     // Any split of this batch size has at most tiles + target items (pieces = ceil(kv / chunk) and chunk >=

@@ -85,11 +85,21 @@ struct VariantParams {
 // against KV positions [kv_begin, kv_end), for every head. partial_row < 0 writes the final output; otherwise
 // the attention state goes to rows partial_row .. partial_row + (qo_end - qo_begin) of the partial buffers and
 // a MergeItem combines it.
-struct WorkItem {
+// The request's context rides along, copied from the batch metadata plan() was given: its first query token in Q
+// and O (qo_indptr[request]), its query and KV lengths, and where its page list starts (paged CSR: kv_indptr
+// [request]; ragged: its first row; block table: 0, the kernels take request x the table's row stride). A CUDA CTA
+// that loads its item can then issue its first page-table reads at once, without a trip to the request arrays
+// first (each trip is most of a microsecond at the start of a decode step). plan()'s host arrays hold what run()
+// gets (BatchPlanArgs), so these equal what the device arrays would give.
+struct alignas(8) WorkItem {
   int32_t request;
   int32_t qo_begin, qo_end;
   int32_t kv_begin, kv_end;
   int32_t partial_row;
+  int32_t qo_start;   // qo_indptr[request]
+  int32_t qo_len;     // qo_indptr[request + 1] - qo_start
+  int32_t kv_len;     // the request's KV tokens
+  int32_t page_list;  // the request's first entry in the page list (CSR) or first row (ragged); 0 for a block table
 };
 
 // Combines the partial states of items [first_item, first_item + num_items), which all cover the same rows.
@@ -129,6 +139,10 @@ struct AttentionParams {
   int32_t batch_size, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo;
   int64_t num_qo_tokens;  // Q's and O's tokens (total_qo)
   const PlanView* plan;
+  // The plan's items (PlanView::items), where the CUDA kernels reach them without a trip to the PlanView: their place
+  // in the workspace is the same for every plan of the shape (plan_layout), so a captured graph's copy stays valid
+  // across re-plans. Entries past PlanView::num_items, up to item_capacity, are stale: never used.
+  const WorkItem* items;
   // Launch sizes, from the plan's capacities (fixed for a batch size, so graphs survive re-plans).
   int32_t item_capacity, merge_capacity, qo_tile;
   int32_t tile_rows;  // the plan's tile_rows: which prefill kernel (CTA rows) serves it

@@ -212,7 +212,6 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   const int row0 = blockIdx.z * Tr::kRows;
   const float scale_log2 = vp.sm_scale * kv.k_scale * kLog2e;
   const bool transform = !kCustom && (vp.soft_cap > 0.f || vp.alibi_slopes != nullptr);
-  const int num_items = plan.num_items;
   const bool rope = !kFp8 && !kCustom && vp.rope.enabled != 0;  // a custom variant does its own RoPE
   if (rope) rope_frequencies<Tr::kThreads>(vp.rope, s_freqs);  // read after the first barrier below
   // Trace builds (device/timeline.cuh): cycles of the prologue (item to the first copies issued), the first tile's
@@ -222,18 +221,25 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
                long long tl_first = 0, tl_tiles = 0, tl_pro[4] = {0, 0, 0, 0}; bool tl_one = true;
                auto tl_lap = [&](int i) { const long long n = cycles(); tl_ph[i] += n - tl_t; tl_t = n; };)
 
-  for (int item_index = linear / p.num_kv_heads; item_index < num_items; item_index += gridDim.x) {
-    const WorkItem it = plan.items[item_index];
+  // The item count and the first item go out together: the item's place comes from the launch parameters (items,
+  // item_capacity), not from the PlanView, and an index past the count reads a stale entry that is never used. The
+  // item carries its request's context (WorkItem), so the page-table reads below are the CTA's second trip to
+  // memory (they were its fourth: the PlanView, the item, the request arrays; 0.7-0.9 us each in the per-CTA
+  // timelines of 1 x 32768).
+  const int num_items = plan.num_items;
+  for (int item_index = linear / p.num_kv_heads;; item_index += gridDim.x) {
+    WorkItem it{};
+    if (item_index < p.item_capacity) it = p.items[item_index];
+    if (item_index >= num_items) break;
     using Loader = KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes>;
     ItemRows m;
-    if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
+    if (!item_rows<Tr::kRows>(it, group, row0, m)) continue;
     // Launched as a programmatic dependent (decode_programmatic_launch), the CTA may run while the kernel before it
     // on the stream is finishing: the plan's metadata above (written only by upload_plan's copy) is read before this
-    // wait, and everything the caller gives (the page table, Q, K/V, option tensors) after it, as is every write. The
-    // page-list offset's load goes out next to item_rows' (consumed after), so a launch without a kernel to wait on
-    // makes the same trips as before. A no-op after the first item, and without the launch attribute.
+    // wait, and everything the caller gives (the page table, Q, K/V, option tensors) after it, as is every write. A
+    // no-op after the first item, and without the launch attribute.
     grid_dependency_wait();
-    const int64_t page_list = Loader::page_list_of(kv, it.request);
+    const int64_t page_list = Loader::page_list_of(kv, it);
     const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
 
     ATTNFORGE_TL(if (tl_one) tl_pro[0] = cycles() - tl_t;)

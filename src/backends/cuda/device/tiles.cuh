@@ -108,20 +108,20 @@ __device__ __forceinline__ QueryRow query_row(const WorkItem& it, int rr, int gr
 }
 
 // A CTA's share of a work item: its packed rows (row0 .. row0 + rows - 1, at most kRows), the request's first
-// query token in Q and O, and its query and KV lengths. False when the item has no row from row0 on.
+// query token in Q and O, and its query and KV lengths (the item's copy of the request's: no memory trip). False
+// when the item has no row from row0 on.
 struct ItemRows {
   int b, rows, qo_start, qo_len, kv_len;
 };
 template <int kRows>
-__device__ __forceinline__ bool item_rows(const PlanView& plan, const WorkItem& it, int group, int row0,
-                                          ItemRows& m) {
+__device__ __forceinline__ bool item_rows(const WorkItem& it, int group, int row0, ItemRows& m) {
   const int rows_total = (it.qo_end - it.qo_begin) * group;
   if (row0 >= rows_total) return false;
   m.b = it.request;
   m.rows = min(kRows, rows_total - row0);
-  m.qo_start = plan.qo_indptr[m.b];
-  m.qo_len = plan.qo_indptr[m.b + 1] - m.qo_start;
-  m.kv_len = plan.kv_len[m.b];
+  m.qo_start = it.qo_start;
+  m.qo_len = it.qo_len;
+  m.kv_len = it.kv_len;
   return true;
 }
 
@@ -269,6 +269,11 @@ struct KVTileLoader {
   static __device__ __forceinline__ int64_t page_list_of(const KVParams& kv, int request) {
     return kv.format == KVFormat::kBlockTable ? static_cast<int64_t>(request) * kv.page_list_stride
                                               : static_cast<int64_t>(kv.page_list_indptr[request]);
+  }
+  // The same from the item's copy of the request's context (WorkItem::page_list): no memory trip.
+  static __device__ __forceinline__ int64_t page_list_of(const KVParams& kv, const WorkItem& it) {
+    return kv.format == KVFormat::kBlockTable ? static_cast<int64_t>(it.request) * kv.page_list_stride
+                                              : static_cast<int64_t>(it.page_list);
   }
   __device__ __forceinline__ KVTileLoader(const KVParams& kv_, int request, int kv_head_, int first_, int last_,
                                           int32_t* slots_ = nullptr)

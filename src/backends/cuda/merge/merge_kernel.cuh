@@ -43,7 +43,7 @@ struct WarpState {
 template <int kPairs>
 __device__ __forceinline__ void warp_accumulate(const AttentionParams& p, const PlanView& plan, const MergeItem& mi,
                                                 int tok, int first, int stride, int first_row, int h,
-                                                WarpState<kPairs>& st) {
+                                                WarpState<kPairs>& st, long long* tl_lse = nullptr) {
   // States whose slices a lane loads at once: 32 registers of O in flight (64 made the kernel 143 registers, three
   // CTAs per SM, and merges of many rows slower than the block-wide pass: 120 us against 36 us, H200, 15e76a7).
   constexpr int kBatch = 16 / kPairs;
@@ -57,6 +57,7 @@ __device__ __forceinline__ void warp_accumulate(const AttentionParams& p, const 
     const float lse = row >= 0 ? plan.partial_lse[static_cast<int64_t>(row) * heads + h] : -ATTNFORGE_INFINITY;
     float chunk_max = lse;
     for (int o = 16; o > 0; o >>= 1) chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, o));
+    ATTNFORGE_TL(if (tl_lse && *tl_lse == 0) *tl_lse = global_ns();)
     const float m_new = fmaxf(st.m, chunk_max);
     if (m_new == -ATTNFORGE_INFINITY) continue;  // warp-uniform: every state so far is empty
     const float scale = exp2f(st.m - m_new);     // 0 while m is -inf (acc and l are 0 then)
@@ -129,14 +130,16 @@ __device__ __forceinline__ void merge_row_warp(const AttentionParams& p, const P
 template <int kPairs>
 __device__ __forceinline__ void merge_row_block(const AttentionParams& p, const PlanView& plan, const MergeItem& mi,
                                                 int qo_start, int tok, int h, int first_row, float* s_m, float* s_l,
-                                                float2 (*s_o)[kMergeMaxDim / 2]) {
+                                                float2 (*s_o)[kMergeMaxDim / 2], long long* tl = nullptr) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   WarpState<kPairs> st;
   for (int j = 0; j < kPairs; ++j) st.acc[j] = make_float2(0.f, 0.f);
-  warp_accumulate<kPairs>(p, plan, mi, tok, warp, kMergeWarps, first_row, h, st);
+  warp_accumulate<kPairs>(p, plan, mi, tok, warp, kMergeWarps, first_row, h, st, tl);
+  ATTNFORGE_TL(if (tl && tl[1] == 0) tl[1] = global_ns();)
   if (lane == 0) s_m[warp] = st.m, s_l[warp] = st.l;
   for (int j = 0; j < kPairs; ++j) s_o[warp][lane + 32 * j] = st.acc[j];
   __syncthreads();
+  ATTNFORGE_TL(if (tl && tl[2] == 0) tl[2] = global_ns();)
   float m_all = s_m[0];
   for (int w = 1; w < kMergeWarps; ++w) m_all = fmaxf(m_all, s_m[w]);
   float f[kMergeWarps], l_all = 0.f;
@@ -163,7 +166,9 @@ __device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m
   const int h = one_warp ? static_cast<int>(blockIdx.y) * kMergeWarps + warp : static_cast<int>(blockIdx.y);
   if (one_warp && h >= p.num_qo_heads) return;  // no barrier in this shape
   // Trace builds (device/timeline.cuh): the global time at the start, past the first wait, and at the end.
-  ATTNFORGE_TL(const long long tl_start = global_ns(); long long tl_waited = 0, tl_merges = 0;)
+  // Trace builds also stamp the first row's steps past the wait (block shape): its LSEs known, its O slices summed,
+  // the warps met.
+  ATTNFORGE_TL(const long long tl_start = global_ns(); long long tl_waited = 0, tl_merges = 0, tl_row[3] = {0, 0, 0};)
   for (int mi_index = blockIdx.x; mi_index < plan.num_merges; mi_index += gridDim.x) {
     const MergeItem mi = plan.merges[mi_index];
     // The first states' partial rows (plan metadata, not written by the attention kernel) before the wait.
@@ -183,12 +188,13 @@ __device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m
       if (one_warp)
         merge_row_warp<kPairs>(p, states, mi, qo_start, tok, h, first_row);
       else
-        merge_row_block<kPairs>(p, states, mi, qo_start, tok, h, first_row, s_m, s_l, s_o);
+        merge_row_block<kPairs>(p, states, mi, qo_start, tok, h, first_row, s_m, s_l, s_o ATTNFORGE_TL(, tl_row));
     }
     ATTNFORGE_TL(++tl_merges;)
   }
   ATTNFORGE_TL(if (long long* f = timeline_slot(); f && threadIdx.x == 0) {
     f[0] = tl_start, f[1] = global_ns(), f[2] = tl_waited, f[10] = (sm_id() << 32) | tl_merges;
+    f[3] = tl_row[0], f[4] = tl_row[1], f[5] = tl_row[2];
   })
 }
 

@@ -178,7 +178,7 @@ __device__ __forceinline__ void prefill_body(const AttentionParams& p, const Var
   for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
     const WorkItem it = plan.items[num_items - 1 - index];
     ItemRows m;
-    if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
+    if (!item_rows<Tr::kRows>(it, group, row0, m)) continue;
     const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
 
     load_query_rows<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);

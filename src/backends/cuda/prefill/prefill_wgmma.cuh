@@ -576,7 +576,7 @@ __device__ __forceinline__ void prefill_wgmma_body(const AttentionParams& p) {
   for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
     const WorkItem it = plan.items[num_items - 1 - index];
     ItemRows m;
-    if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
+    if (!item_rows<Tr::kRows>(it, group, row0, m)) continue;
     const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
 
     load_query_rows<D, Tr::kRows, Tr::kThreads, true>(p, it, qo_start, row0, rows, group, kv_head,
@@ -675,7 +675,7 @@ __device__ __forceinline__ void prefill_wgmma_ws_body(const AttentionParams& p) 
   };
   auto begin_item = [&](int index, Item& m) {
     m.it = plan.items[num_items - 1 - index];
-    if (!item_rows<Tr::kRows>(plan, m.it, group, row0, m)) return false;
+    if (!item_rows<Tr::kRows>(m.it, group, row0, m)) return false;
     if (!producer) {  // the computing threads copy Q (the producer's registers are few)
       load_query_rows<D, Tr::kRows, 256, true, 128>(p, m.it, m.qo_start, row0, m.rows, group, kv_head,
                                                     reinterpret_cast<uint16_t*>(sQ));
@@ -835,7 +835,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       const int kv_head = w / num_items;
       const WorkItem it = plan.items[num_items - 1 - (w - kv_head * num_items)];
       ItemRows m;
-      if (!item_rows<Tr::kRows>(plan, it, group, row0, m)) continue;
+      if (!item_rows<Tr::kRows>(it, group, row0, m)) continue;
       const int qb = q_items & 1;
       // kCopierQ: the item's Q is requested first (it needs only the item's rows), its bounds published after: the
       // bounds were ready long before the computing warpgroups waited (trace), and Q sooner made ragged 16 x 1.2%
@@ -1016,7 +1016,7 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       if constexpr (kCopierQ)
         return row0 < (x.qo_end - x.qo_begin) * group;
       else
-        return item_rows<Tr::kRows>(plan, x, group, row0, xm);
+        return item_rows<Tr::kRows>(x, group, row0, xm);
     };
     WorkItem it_next{}, it_after{};
     ItemRows m_next{};
