@@ -65,6 +65,25 @@ TEST(PlannerHeuristics, KvChunkLongDecode) {
   EXPECT_EQ(choose_kv_chunk(split_input(1, 8, 32768, 32768, 16)), 8192);
 }
 
+TEST(PlannerHeuristics, DecodeMergesInTheKernelWhileTheStatesFitAFewPasses) {
+  // One request, 8 KV heads, 264 workers, one wave: up to 264 / 8 + 1 = 34 states of 4 rows x 129 floats (head_dim
+  // 128 and the LSE): 70 KB, one pass of a 100 KB CTA.
+  SplitInput in = split_input(1, 8, 32768, 32768, 264);
+  in.waves = 1;
+  EXPECT_TRUE(planner::decode_merges_in_kernel(in, 4, 128, 100 * 1024));
+  // The bound is the batch size's, not these lengths': no KV at all gives the same answer.
+  EXPECT_TRUE(planner::decode_merges_in_kernel(split_input(1, 8, 0, 0, 264), 4, 128, 100 * 1024));
+  // One KV head (a group of 32: 16-row CTAs): up to 265 states of 16 rows, 2.2 MB: the merge kernel's job.
+  in.num_kv_heads = 1;
+  EXPECT_FALSE(planner::decode_merges_in_kernel(in, 16, 128, 100 * 1024));
+  // At the edge: 34 states x 4 rows x 129 x 4 bytes = 70176 bytes against kDecodeMergePasses passes.
+  in.num_kv_heads = 8;
+  EXPECT_TRUE(planner::decode_merges_in_kernel(in, 4, 128, 70176 / planner::kDecodeMergePasses));
+  EXPECT_FALSE(planner::decode_merges_in_kernel(in, 4, 128, 70176 / planner::kDecodeMergePasses - 1));
+  // A backend without the kernel merge.
+  EXPECT_FALSE(planner::decode_merges_in_kernel(in, 0, 128, 0));
+}
+
 TEST(PlannerHeuristics, KvChunkAtLeastMinChunk) {
   // 1000 tokens over 32 items would be 32-token chunks; min_chunk raises them to 256.
   EXPECT_EQ(choose_kv_chunk(split_input(1, 1, 1000, 1000, 16)), 256);
@@ -262,6 +281,13 @@ std::string plan_violation(const AttentionPlan& p, const Batch& b, bool causal) 
       if (it.partial_row < 0) return fmt::format("item {} of merge {} writes the final output", k, m);
       if (it.request != mi.request || it.qo_begin != mi.qo_begin || it.qo_end != mi.qo_end)
         return fmt::format("item {} covers other rows than merge {}", k, m);
+      // The merge fields a kernel that merges itself reads: its states' rows are consecutive blocks, in KV order.
+      const int32_t first_row = p.items[mi.first_item].partial_row;
+      if (it.merge != static_cast<int32_t>(m) || it.merge_states != mi.num_items || it.merge_row0 != first_row ||
+          it.partial_row != first_row + (k - mi.first_item) * (mi.qo_end - mi.qo_begin))
+        return fmt::format("item {} of merge {}: merge {}, merge_states {}, merge_row0 {}, partial_row {}; expected {}, "
+                           "{}, {}, {}", k, m, it.merge, it.merge_states, it.merge_row0, it.partial_row, m,
+                           mi.num_items, first_row, first_row + (k - mi.first_item) * (mi.qo_end - mi.qo_begin));
       owner[k] = static_cast<int32_t>(m);
     }
   }
@@ -272,6 +298,7 @@ std::string plan_violation(const AttentionPlan& p, const Batch& b, bool causal) 
   for (int64_t i = 0; i < num_items; ++i) {
     const WorkItem& it = p.items[i];
     if (it.partial_row >= 0 && owner[i] < 0) return fmt::format("item {} has partial state but no merge", i);
+    if (it.partial_row < 0 && it.merge != -1) return fmt::format("item {} writes the output but names merge {}", i, it.merge);
     if (it.partial_row < 0) tiles.push_back({it.request, it.qo_begin, it.qo_end, static_cast<int32_t>(i), 1});
   }
   for (const MergeItem& mi : p.merges) tiles.push_back({mi.request, mi.qo_begin, mi.qo_end, mi.first_item, mi.num_items});
@@ -430,6 +457,9 @@ TEST(PlanInvariants, ViolationsAreDetected) {
   AttentionPlan stale_context = good;
   stale_context.items.back().page_list += 1;
   EXPECT_NE(plan_violation(stale_context, bt, false).find("context"), std::string::npos);
+  AttentionPlan wrong_merge = good;
+  wrong_merge.items[good.merges[0].first_item + 1].merge_row0 += 1;
+  EXPECT_NE(plan_violation(wrong_merge, bt, false).find("merge_row0"), std::string::npos);
   AttentionPlan big_ws = good;
   big_ws.workspace_bytes += 256;
   EXPECT_NE(plan_violation(big_ws, bt, false), "");

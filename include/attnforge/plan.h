@@ -61,7 +61,8 @@ struct BatchPlanArgs {
 };
 
 struct AttentionPlan {
-  static constexpr int32_t kVersion = 4;  // 2: the persistent kernel's schedule; 3: kv_stages; 4: WorkItem context
+  // 2: the persistent kernel's schedule; 3: kv_stages; 4: WorkItem context; 5: merges in the decode kernel
+  static constexpr int32_t kVersion = 5;
   int32_t version = kVersion;
   PlanKind kind = PlanKind::kDecode;
   Device device{};
@@ -79,6 +80,12 @@ struct AttentionPlan {
   // size agrees.
   int32_t kv_stages = 0;
   int32_t max_merge_states = 0;  // the most partial states one merge combines (0: no merges)
+  // Decode on a device whose decode kernel merges split KV itself (CUDA): the arrival counters in the workspace, one
+  // for each (merge, KV head, block of the kernel's CTA rows) at capacity; the last CTA of a merge to finish combines
+  // its states, and no merge kernel is launched. 0: merges run as a kernel of their own (other devices, prefill,
+  // deterministic plans, and batch shapes whose merges could hold more states than one CTA combines quickly).
+  // Set from the batch size and shape alone, so every re-plan of a batch size agrees.
+  int64_t merge_counters = 0;
   int32_t kv_chunk = 0;       // the longest KV piece of a split item (at least the planned chunk); 0: not split
   std::vector<int32_t> qo_indptr;  // [batch + 1]
   std::vector<int32_t> kv_len;     // [batch]

@@ -30,6 +30,17 @@ class Backend {
     (void)shape;
     return {};
   }
+  // A decode kernel that merges split KV itself (AttentionPlan::merge_counters): the query rows one of its CTAs
+  // holds (a merge's counters are kept per block of them) and the shared memory its last CTA combines states in;
+  // {0, 0}: merges run as a kernel of their own. `kv_stages`: the plan's (0: the default pipeline).
+  struct DecodeMerge {
+    int32_t cta_rows = 0;
+    int64_t smem_bytes = 0;
+  };
+  virtual DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const {
+    (void)shape, (void)kv_stages;
+    return {};
+  }
   // Shortest KV piece worth splitting off: below it a split's partial-state write and merge cost more than the
   // parallelism gains.
   virtual int32_t min_split_tokens() const { return 256; }

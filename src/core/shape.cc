@@ -112,7 +112,8 @@ PlanLayout plan_layout(const AttentionPlan& plan) {
   l.kv_len = l.qo_indptr + align256((batch + 1) * sizeof(int32_t));
   l.items = l.kv_len + align256(batch * sizeof(int32_t));
   l.merges = l.items + align256(plan.item_capacity * sizeof(WorkItem));
-  l.end = l.merges + align256(plan.merge_capacity * sizeof(MergeItem));
+  l.merge_counters = l.merges + align256(plan.merge_capacity * sizeof(MergeItem));
+  l.end = l.merge_counters + align256(plan.merge_counters * sizeof(int32_t));
   return l;
 }
 

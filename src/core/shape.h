@@ -23,11 +23,12 @@ uint64_t batch_fingerprint(KVFormat format, int32_t page_size, std::span<const i
 size_t partial_state_bytes(int64_t rows, const AttentionShape& s);
 // Where a device backend keeps the plan metadata at the start of the workspace: byte offsets of the regions after
 // the PlanView (at 0), each 256-byte aligned and sized by the plan's batch size and capacities (the schedule: its
-// offsets and a pair for every item at capacity and KV head), and their end (the metadata's bytes). The schedule
+// offsets and a pair for every item at capacity and KV head; the decode kernel's merge counters, uploaded as zeros),
+// and their end (the metadata's bytes). The schedule
 // comes first, at the same place for every plan: kernels reach it through their launch parameters, which a
 // captured graph keeps, and the rest through the PlanView, which each upload rewrites.
 struct PlanLayout {
-  size_t schedule, qo_indptr, kv_len, items, merges, end;
+  size_t schedule, qo_indptr, kv_len, items, merges, merge_counters, end;
 };
 PlanLayout plan_layout(const AttentionPlan& plan);
 // The schedule's offset, the same for every plan (run() needs it alone).

@@ -385,6 +385,12 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
     p.items = reinterpret_cast<const WorkItem*>(static_cast<const char*>(ws.data) + detail::plan_layout(plan).items);
     if (plan.schedule_ctas > 0)
       p.schedule = reinterpret_cast<const int32_t*>(static_cast<const char*>(ws.data) + detail::plan_schedule_offset());
+    if (plan.merge_counters > 0)
+      p.merge_counters =
+          reinterpret_cast<int32_t*>(static_cast<char*>(ws.data) + detail::plan_layout(plan).merge_counters);
+    const PlanView v = plan_view(plan, ws.data);
+    p.partial_o = v.partial_o;
+    p.partial_lse = v.partial_lse;
   } else {
     host_view = plan_view(plan, ws.data);
     host_view.qo_indptr = plan.qo_indptr.data();
@@ -393,6 +399,8 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
     host_view.merges = plan.merges.data();
     p.plan = &host_view;
     p.items = host_view.items;
+    p.partial_o = host_view.partial_o;
+    p.partial_lse = host_view.partial_lse;
   }
 }
 
@@ -507,6 +515,8 @@ void upload_plan(AttentionPlan& plan, const Workspace& workspace, void* host_sta
     v.items = place(plan.items, l.items);
     v.merges = place(plan.merges, l.merges);
     place(plan.schedule, l.schedule);  // AttentionParams::schedule points there (prepare_run)
+    // The decode kernel's merge counters start at zero; its merging CTAs leave them at zero (AttentionParams).
+    std::memset(stage + l.merge_counters, 0, static_cast<size_t>(plan.merge_counters) * sizeof(int32_t));
     std::memcpy(stage, &v, sizeof(v));
     backend.copy_to_device(workspace.data, stage, plan.metadata_bytes, stream);
   }

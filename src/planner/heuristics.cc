@@ -30,6 +30,13 @@ int32_t choose_kv_chunk(const SplitInput& in) {
   return static_cast<int32_t>(chunk);
 }
 
+bool decode_merges_in_kernel(const SplitInput& in, int32_t cta_rows, int32_t head_dim_vo, int64_t smem_bytes) {
+  if (cta_rows <= 0 || smem_bytes <= 0) return false;
+  const int64_t states = split_target_items(in) + 1;
+  const int64_t state_bytes = static_cast<int64_t>(cta_rows) * (head_dim_vo + 1) * static_cast<int64_t>(sizeof(float));
+  return states * state_bytes <= kDecodeMergePasses * smem_bytes;
+}
+
 void schedule_pairs(std::span<const int64_t> item_work, int32_t num_kv_heads, int32_t ctas,
                     std::vector<int32_t>& out) {
   const int64_t items = static_cast<int64_t>(item_work.size()), pairs = items * num_kv_heads;

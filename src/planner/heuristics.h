@@ -39,6 +39,13 @@ int64_t split_target_items(const SplitInput& in);
 // cuts so that about waves x workers units exist, none shorter than min_chunk.
 int32_t choose_kv_chunk(const SplitInput& in);
 
+// Whether a decode kernel should merge a batch's split KV itself (Backend::decode_merge): its last CTA of a merge
+// combines every state of its rows, `cta_rows` rows of head_dim_vo floats and an LSE each, through `smem_bytes` of
+// shared memory a pass. Yes while the most states a merge of this batch size can have (split_target_items + 1)
+// takes at most kDecodeMergePasses passes: a merge kernel spreads bigger merges over many CTAs.
+constexpr int64_t kDecodeMergePasses = 4;
+bool decode_merges_in_kernel(const SplitInput& in, int32_t cta_rows, int32_t head_dim_vo, int64_t smem_bytes);
+
 // A persistent kernel's pairs (KV head h, item i: h x items + i, the kernel's order) laid out over `ctas` CTAs:
 // in that order, each pair goes to the CTA with the least work so far (ties: the lowest), as CTAs taking pairs from
 // a shared queue would, so a CTA's list is in the kernel's order and pairs near each other in it run at about the

@@ -256,7 +256,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     }
     const int32_t pieces = piece > 0 ? (t.kv_end + piece - 1) / piece : 1;
     if (pieces <= 1) {
-      plan.items.push_back({t.request, t.qo_begin, t.qo_end, 0, t.kv_end, -1, 0, 0, 0, 0});
+      plan.items.push_back({t.request, t.qo_begin, t.qo_end, 0, t.kv_end, -1, 0, 0, 0, 0, -1, 0, 0});
       continue;
     }
     plan.kv_chunk = std::max(plan.kv_chunk, piece);  // the longest piece, which rounding down can stretch
@@ -265,7 +265,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     for (int32_t p = 0; p < pieces; ++p) {
       const int32_t k0 = p * piece, k1 = std::min(t.kv_end, k0 + piece);
       plan.items.push_back(
-          {t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows), 0, 0, 0, 0});
+          {t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows), 0, 0, 0, 0, -1, 0, 0});
       plan.partial_rows += t.qo_end - t.qo_begin;
     }
   }
@@ -285,6 +285,17 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     it.qo_len = plan.qo_indptr[b + 1] - it.qo_start;
     it.kv_len = plan.kv_len[b];
     it.page_list = page_lists[b];
+    it.merge = -1;
+  }
+  // A split item names its merge (WorkItem): its states' partial rows are consecutive from the first piece's.
+  for (size_t m = 0; m < plan.merges.size(); ++m) {
+    const MergeItem& mi = plan.merges[m];
+    for (int32_t k = 0; k < mi.num_items; ++k) {
+      WorkItem& it = plan.items[static_cast<size_t>(mi.first_item + k)];
+      it.merge = static_cast<int32_t>(m);
+      it.merge_states = mi.num_items;
+      it.merge_row0 = plan.items[static_cast<size_t>(mi.first_item)].partial_row;
+    }
   }
   const int32_t num_items = static_cast<int32_t>(plan.items.size());
   if (backend.plan_in_device_memory()) {
@@ -297,6 +308,16 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     plan.merge_capacity = static_cast<int32_t>(tiles.size());
     plan.partial_row_capacity =
         std::max<int64_t>(plan.partial_rows, static_cast<int64_t>(bound) * std::max(plan.qo_tile, long_qo_tile));
+    // Merges in the decode kernel: decided by the batch size and shape (the split bound, not this plan's pieces),
+    // so every re-plan of the batch size keeps the workspace layout and launches a captured graph holds.
+    if (kind == PlanKind::kDecode && !a.options.deterministic && !a.options.disable_split) {
+      const detail::Backend::DecodeMerge dm = backend.decode_merge(shape, plan.kv_stages);
+      if (planner::decode_merges_in_kernel(in, std::min(dm.cta_rows, plan.qo_tile * group), shape.head_dim_vo,
+                                           dm.smem_bytes)) {
+        const int64_t row_blocks = (static_cast<int64_t>(plan.qo_tile) * group + dm.cta_rows - 1) / dm.cta_rows;
+        plan.merge_counters = static_cast<int64_t>(plan.merge_capacity) * shape.num_kv_heads * row_blocks;
+      }
+    }
     // A persistent prefill kernel's CTAs walk lists the planner balances (schedule_pairs): one list for each of
     // its CTAs whatever the batch (a CTA may have none), so that the grid and the lists' offsets are the same for
     // every re-plan a captured graph may replay.
@@ -329,12 +350,12 @@ AttentionPlan plan_batch_prefill(const BatchPlanArgs& args) { return make_plan(a
 
 std::string AttentionPlan::describe() const {
   return fmt::format("AttentionPlan v{} {}{} on {}: batch {}, {} query rows, {} KV with page size {}, qo_tile {}{}, "
-                     "{}kv_chunk {}, {} items, {} merges, workspace {} bytes",
+                     "{}kv_chunk {}, {} items, {} merges{}, workspace {} bytes",
                      version, kind == PlanKind::kDecode ? "decode" : "prefill", causal ? " (causal)" : "",
                      to_string(device), batch_size, total_qo, to_string(kv_format), page_size, qo_tile,
                      tile_rows > 0 ? fmt::format(" ({} rows)", tile_rows) : std::string(),
                      kv_stages > 0 ? fmt::format("{} K/V stages, ", kv_stages) : std::string(), kv_chunk, items.size(),
-                     merges.size(), workspace_bytes);
+                     merges.size(), merge_counters > 0 ? " (in the decode kernel)" : "", workspace_bytes);
 }
 
 }  // namespace attnforge

@@ -24,6 +24,7 @@
 #include "backends/cuda/nccl_api.h"
 #include "backends/cuda/prefill/prefill.h"
 #include "backends/cuda/tma.h"
+#include "core/shape.h"
 #include "jit/nvrtc_compiler.h"
 #include "testing/compare.h"
 #include "testing/device_case.h"
@@ -914,6 +915,74 @@ TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
       EXPECT_TRUE(bytes == first) << "run " << run_index << " differs from run 0";
   }
 
+}
+
+// Decode plans whose merges the decode kernel does (AttentionPlan::merge_counters; its last CTA of a merge combines
+// the states): chosen by the batch shape, never in deterministic mode.
+TEST(CudaKernelMerge, ChosenByBatchShape) {
+  auto plan_of = [](CaseSpec s) { return cuda_decode_plan(make_case(s)); };
+  const AttentionPlan one = plan_of(serving_decode(1, 9000, 16));
+  ASSERT_FALSE(one.merges.empty()) << one.describe();
+  EXPECT_GT(one.merge_counters, 0) << one.describe();
+  EXPECT_EQ(one.merge_counters, one.merge_capacity * 8) << "one counter per (merge, KV head): 4 rows a CTA";
+  CaseSpec det = serving_decode(1, 9000, 16);
+  det.plan.deterministic = true;
+  EXPECT_EQ(plan_of(det).merge_counters, 0);
+  // One KV head for 32 query heads: a merge could hold a state from every SM's CTAs, 16 rows each.
+  CaseSpec mqa = serving_decode(1, 9000, 16);
+  mqa.num_kv_heads = 1;
+  const AttentionPlan wide = plan_of(mqa);
+  ASSERT_FALSE(wide.merges.empty()) << wide.describe();
+  EXPECT_EQ(wide.merge_counters, 0) << wide.describe();
+}
+
+// The kernel's merge against the float64 reference: one pass (the serving shapes: every state's O rows fit the
+// shared memory at once) and several passes (a group of 16 query heads, 16 rows a CTA, over 31 states, with sinks
+// and a window that leaves the first pieces empty), twice on one workspace: the counters go back to zero and the
+// second run gives the first run's bits.
+TEST(CudaKernelMerge, OneAndSeveralPassesMatchTheReference) {
+  CaseSpec one = serving_decode(2, 9000, 16);
+  one.kv_lens = {9000, 2500};
+  one.options.sinks = true;
+  CaseSpec several;
+  several.kind = PlanKind::kDecode;
+  several.num_qo_heads = 64, several.num_kv_heads = 4, several.head_dim_qk = 128;
+  several.qo_lens = {1};
+  several.kv_lens = {9000};
+  several.options.sinks = true;
+  several.options.window_left = 3000;
+  several.plan.num_workers = 120;  // 29 states a KV head, 7 a pass in the two-stage kernel's 68 KB
+  for (CaseSpec s : {one, several}) {
+    s.seed = 77;
+    Case c = make_case(s);
+    DeviceCase dev(c);
+    AttentionPlan plan = cuda_decode_plan(c);
+    ASSERT_GT(plan.merge_counters, 0) << plan.describe();
+    const UploadedPlan uploaded(plan);
+    std::vector<uint8_t> first;
+    for (int run_index = 0; run_index < 2; ++run_index) {
+      c.poison_outputs();
+      dev.upload_outputs(c);
+      run(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, uploaded.w, nullptr);
+      ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+      dev.download_outputs(c);
+      const Verdict v = check_case(c, {});
+      EXPECT_TRUE(v.ok) << "run " << run_index << ": " << v.message << "\n  plan: " << plan.describe();
+      const uint8_t* o = static_cast<const uint8_t*>(c.out_view.data);
+      const std::vector<uint8_t> bytes(o, o + c.out_view.numel() * 2);
+      if (run_index == 0)
+        first = bytes;
+      else
+        EXPECT_TRUE(bytes == first) << "run 1 differs from run 0";
+      std::vector<int32_t> counters(static_cast<size_t>(plan.merge_counters), -1);
+      ASSERT_EQ(cudaSuccess, cudaMemcpy(counters.data(),
+                                        static_cast<char*>(uploaded.ws) + detail::plan_layout(plan).merge_counters,
+                                        counters.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+      EXPECT_EQ(std::count(counters.begin(), counters.end(), 0), static_cast<long>(counters.size()))
+          << "run " << run_index << ": merge counters left non-zero";
+    }
+    if (s.num_kv_heads == 4) EXPECT_GT(plan.max_merge_states, 8) << plan.describe();
+  }
 }
 
 // Decode batches too small to fill the GPU run the small-batch pipeline (AttentionPlan::kv_stages: 3 K/V stages with

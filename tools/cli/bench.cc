@@ -197,7 +197,7 @@ int run_bench(const BenchOptions& options) {
   const int32_t iters = options.iters > 0 ? options.iters : z.iters;
   std::vector<BenchCase> suite = serving_suite(z);
   if (!options.case_filter.empty()) {
-    std::erase_if(suite, [&](const BenchCase& c) { return c.name.find(options.case_filter) == std::string::npos; });
+    std::erase_if(suite, [&](const BenchCase& c) { return !case_selected(c.name, options.case_filter); });
     if (suite.empty())
       throw std::runtime_error(
           fmt::format("--case {}: no case of suite {} has that in its name", options.case_filter, z.suite));

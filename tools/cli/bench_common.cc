@@ -81,6 +81,16 @@ std::vector<int64_t> sampled_rows(int64_t total) {
   return rows;
 }
 
+bool case_selected(const std::string& name, const std::string& filter) {
+  if (filter.empty()) return true;
+  for (size_t begin = 0;;) {
+    const size_t end = filter.find('|', begin);
+    const std::string text = filter.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    if (!text.empty() && name.find(text) != std::string::npos) return true;
+    if (end == std::string::npos) return false;
+    begin = end + 1;
+  }
+}
 
 double kv_bytes_read(const testing::CaseSpec& s) {
   const int32_t dvo = s.head_dim_vo ? s.head_dim_vo : s.head_dim_qk;

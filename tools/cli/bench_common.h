@@ -27,6 +27,9 @@ double kv_bytes_read(const testing::CaseSpec& s);
 // 2 x (head_dim_qk + head_dim_vo) per head per attended (query, key) pair; causal bottom-right aligned.
 double attention_flops(const testing::CaseSpec& s);
 std::vector<int64_t> sampled_rows(int64_t total);
+// Whether a bench case is selected by --case: its name contains the filter, or one of the filter's '|'-separated
+// texts (an empty filter selects every case).
+bool case_selected(const std::string& name, const std::string& filter);
 
 // The GPU benchmark (bench_cuda.cc, built with CUDA).
 int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device);

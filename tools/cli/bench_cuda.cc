@@ -687,7 +687,7 @@ int run_bench_cuda(const BenchOptions& options, const DeviceInfo& device) {
   if (suite.empty())
     throw std::runtime_error(fmt::format("--suite {}: expected one of {{all, decode, prefill, long}}", options.suite));
   if (!options.case_filter.empty()) {
-    std::erase_if(suite, [&](const GpuBenchCase& c) { return c.name.find(options.case_filter) == std::string::npos; });
+    std::erase_if(suite, [&](const GpuBenchCase& c) { return !case_selected(c.name, options.case_filter); });
     if (suite.empty())
       throw std::runtime_error(fmt::format("--case {}: no case of suite {} has that in its name", options.case_filter,
                                            options.suite));

@@ -91,6 +91,9 @@ struct VariantParams {
 // that loads its item can then issue its first page-table reads at once, without a trip to the request arrays
 // first (each trip is most of a microsecond at the start of a decode step). plan()'s host arrays hold what run()
 // gets (BatchPlanArgs), so these equal what the device arrays would give.
+// A split item also names its merge: the MergeItem's index, its state count and the partial row of its first state
+// (a merge's states take consecutive blocks of qo_end - qo_begin partial rows, in KV order), so a kernel that merges
+// where the last of them finishes (AttentionParams::merge_counters) finds every state without reading the merge.
 struct alignas(8) WorkItem {
   int32_t request;
   int32_t qo_begin, qo_end;
@@ -100,6 +103,9 @@ struct alignas(8) WorkItem {
   int32_t qo_len;     // qo_indptr[request + 1] - qo_start
   int32_t kv_len;     // the request's KV tokens
   int32_t page_list;  // the request's first entry in the page list (CSR) or first row (ragged); 0 for a block table
+  int32_t merge;         // index of the MergeItem this item's state belongs to; -1 when it writes the output
+  int32_t merge_states;  // that merge's items (0 when unsplit)
+  int32_t merge_row0;    // the partial row of the merge's first state (0 when unsplit)
 };
 
 // Combines the partial states of items [first_item, first_item + num_items), which all cover the same rows.
@@ -156,6 +162,16 @@ struct AttentionParams {
   // graph's copy of both stays valid across re-plans.
   int32_t schedule_ctas;
   const int32_t* schedule;
+  // The partial states' buffers (PlanView::partial_o / partial_lse) as launch parameters: the decode kernel's split
+  // CTAs write and merge them without a trip to the PlanView. Their place in the workspace is the same for every plan
+  // of the batch size (plan_layout), so a captured graph's copy stays valid across re-plans.
+  float* partial_o;
+  float* partial_lse;
+  // Decode plans whose merges the attention kernel does itself (AttentionPlan::merge_counters > 0): one arrival
+  // counter for each (merge, KV head, block of the kernel's CTA rows), zero between launches. Each split CTA counts
+  // itself in once its state is written; the CTA that arrives last merges the rows' states and writes the output,
+  // and no merge kernel runs. Null: the merge kernel combines the states.
+  int32_t* merge_counters;
   int32_t programmatic_launch;  // AttentionOptions::programmatic_launch (host side: how the CUDA backend launches)
   // CUDA, Hopper prefill kernel (ATTNFORGE_PREFILL_TMA): K/V tiles copied by the tensor memory accelerator through
   // these maps (backends/cuda/tma.h) in boxes of tma_box_slots tokens of a page (ragged KV: a tile's rows in one

@@ -155,6 +155,16 @@ class CudaBackend final : public Backend {
                              : cuda::decode_small_batch_ctas_per_sm(s.head_dim_qk, s.q_dtype, s.kv_dtype);
     return ctas > 0 ? Pipeline{stages, sms_ * ctas} : Pipeline{};
   }
+  // The decode kernel merges split KV itself (decode_kernel.cuh, merge_split_rows): its CTAs hold 16 rows and its
+  // last CTA of a merge combines states in the kernel's shared memory. ATTNFORGE_DECODE_KERNEL_MERGE=0 leaves every
+  // merge to the merge kernel (A/B runs; README).
+  DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const override {
+    static const bool enabled = detail::env_choice("ATTNFORGE_DECODE_KERNEL_MERGE", {"0", "1"}, "1") == "1";
+    if (!enabled) return {};
+    const AttentionShape s = normalized(shape);
+    const int stages = kv_stages > 0 ? kv_stages : cuda::default_decode_stages(s.kv_dtype);
+    return {cuda::kDecodeCtaRows, cuda::decode_attributes(s.head_dim_qk, s.kv_dtype, stages).max_dynamic_smem};
+  }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).
   // The short tile (64 rows) when the batch's requests pack at most that many rows on average, else the head dim's
   // (prefill_tile_rows: 128 up to head_dim 128, and at 256 where the Hopper kernel serves it); run() launches the

@@ -13,6 +13,9 @@ constexpr int kDefaultDecodeStages = 2;
 constexpr int kDefaultDecodeStagesFp8 = 4;
 // The small-batch pipeline's stages (small_batch_decode_stages below names the shapes that take them).
 constexpr int kSmallBatchDecodeStages = 3;
+// Query rows of a decode CTA (one mma M tile; DecodeTraits::kRows): the planner keeps a merge's arrival counters
+// per block of them (Backend::decode_merge).
+constexpr int kDecodeCtaRows = 16;
 
 #if !defined(__CUDACC_RTC__)  // host code only (NVRTC takes no host functions)
 constexpr bool is_fp8(DType t) { return t == DType::kFloat8E4M3 || t == DType::kFloat8E5M2; }

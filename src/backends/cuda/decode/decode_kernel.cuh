@@ -49,7 +49,7 @@ struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kThreads = 128;
   static constexpr int kWarps = kThreads / 32;
-  static constexpr int kRows = 16;                 // one mma M tile
+  static constexpr int kRows = kDecodeCtaRows;     // one mma M tile
   static constexpr int kTileTokens = 16 * kWarps;  // 16 tokens per warp per tile
   // Two stages by default: one tile in flight while the other is consumed. Shared memory (68 KB at head_dim 128) then
   // admits three CTAs per SM, whose twelve warps hide the latency that four warps alone could not (profiled:
@@ -108,8 +108,8 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
                                             int row0, int rows, int group, int kv_head, int qo_start, float o_factor,
                                             bool to_partial) {
   constexpr int D = Tr::kHeadDim, kQuads = D / 4;
-  float* const partial_o = to_partial ? p.plan->partial_o : nullptr;
-  float* const partial_lse = to_partial ? p.plan->partial_lse : nullptr;
+  float* const partial_o = p.partial_o;
+  float* const partial_lse = p.partial_lse;
   for (int i = threadIdx.x; i < rows * kQuads; i += Tr::kThreads) {
     const int r = i / kQuads, d = (i % kQuads) * 4;
     const float m_all = ms.row_max(r);
@@ -138,6 +138,111 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
           float4{o.x * f, o.y * f, o.z * f, o.w * f};
       if (d == 0) partial_lse[prow * p.num_qo_heads + q.head] = lse;
     }
+  }
+}
+
+// Counts this CTA's written state into its merge (AttentionParams::merge_counters); true in the CTA that arrives
+// last, which then merges. Release: the barrier orders every thread's partial-state writes before thread 0's
+// acq_rel atomic (cumulativity); acquire: the merging threads' reads come after that atomic and the second barrier.
+// The last CTA puts the counter back to zero for the next launch.
+template <class Tr>
+__device__ __forceinline__ bool arrive_at_merge(const AttentionParams& p, const WorkItem& it, int kv_head) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* counter = p.merge_counters + (static_cast<int64_t>(it.merge) * p.num_kv_heads + kv_head) * gridDim.z +
+                   blockIdx.z;
+    int before;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
+    const bool last = before == it.merge_states - 1;
+    if (last) *counter = 0;
+    s_last = last;
+  }
+  __syncthreads();
+  return s_last != 0;
+}
+
+// The last CTA of a merge combines the states of its rows (row0 .. row0 + rows - 1 of every piece of the request) in
+// the kernel's shared memory, which the K/V stages and Q no longer need (the caller's barrier): the states' LSEs
+// first (one trip), which give every row's maximum m and weight sum l; then their O rows, as many states a pass as
+// the rest holds (one pass for the batch shapes the planner lets merge here: decode_merges_in_kernel), copied by
+// cp.async through L2, summed with weights 2^(lse - m) into each (row, four dims) pair's accumulator. Every state is
+// summed in KV order, whichever CTA merges. The output and LSE are written as the merge kernel writes them
+// (finish_row). A thread keeps nothing across pairs or passes in registers (kept there, they made ptxas spill).
+// A plan with more states than shared memory holds LSEs for reads them from L2 each time: slower, same result.
+template <class Tr>
+__device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const WorkItem& it, uint8_t* smem, int row0,
+                                                 int rows, int group, int kv_head, int qo_start) {
+  constexpr int D = Tr::kHeadDim, kQuads = D / 4;
+  const int states = it.merge_states, nq = it.qo_end - it.qo_begin, heads = p.num_qo_heads;
+  const int row_floats = rows * D;
+  float* const s_acc = reinterpret_cast<float*>(smem);  // [rows][D]
+  const bool lse_shared = (states * rows + 2 * row_floats) * static_cast<int>(sizeof(float)) <= Tr::kSmemBytes;
+  float* const s_lse = s_acc + row_floats;  // [states][rows], when lse_shared
+  float* const s_o = s_lse + (lse_shared ? states * rows : 0);  // [pass][rows][D]
+  const int pass = (Tr::kSmemBytes / static_cast<int>(sizeof(float)) - static_cast<int>(s_o - s_acc)) / row_floats;
+  // The partial row of (state k, row r): the merge's states take consecutive blocks of nq rows (WorkItem).
+  auto partial_row = [&](int k, int r) {
+    return static_cast<int64_t>(it.merge_row0) + static_cast<int64_t>(k) * nq + (row0 + r) / group;
+  };
+  auto global_lse = [&](int k, int r) {
+    return load_cg(p.partial_lse + partial_row(k, r) * heads + kv_head * group + (row0 + r) % group);
+  };
+  auto lse_of = [&](int k, int r) { return lse_shared ? s_lse[k * rows + r] : global_lse(k, r); };
+  if (lse_shared)
+    for (int i = threadIdx.x; i < states * rows; i += Tr::kThreads) s_lse[i] = global_lse(i / rows, i % rows);
+  for (int i = threadIdx.x; i < row_floats; i += Tr::kThreads) s_acc[i] = 0.f;
+  // Row r's maximum LSE (log2 units; -inf when every state is empty).
+  auto row_max = [&](int r) {
+    float m = -ATTNFORGE_INFINITY;
+    for (int k = 0; k < states; ++k) m = fmaxf(m, lse_of(k, r));
+    return m;
+  };
+  for (int k0 = 0; k0 < states; k0 += pass) {
+    const int n = min(pass, states - k0);
+    for (int i = threadIdx.x; i < n * rows * kQuads; i += Tr::kThreads) {
+      const int k = i / (rows * kQuads), r = (i / kQuads) % rows, q = i % kQuads;
+      const int head = kv_head * group + (row0 + r) % group;
+      cp_async_16(s_o + 4 * i, p.partial_o + (partial_row(k0 + k, r) * heads + head) * D + 4 * q, 16);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();  // the pass's O rows (and the LSEs) are in shared memory
+    for (int i = threadIdx.x; i < rows * kQuads; i += Tr::kThreads) {
+      const int r = i / kQuads, q = i % kQuads;
+      const float m = row_max(r);
+      if (m == -ATTNFORGE_INFINITY) continue;  // every state of the row is empty
+      float4 acc = *reinterpret_cast<const float4*>(s_acc + 4 * i);
+      for (int k = 0; k < n; ++k) {
+        const float lse = lse_of(k0 + k, r);
+        if (lse == -ATTNFORGE_INFINITY) continue;  // an empty state's O is never read
+        const float w = exp2f(lse - m);
+        const float4 x = *reinterpret_cast<const float4*>(s_o + (k * rows + r) * D + 4 * q);
+        acc.x += w * x.x, acc.y += w * x.y, acc.z += w * x.z, acc.w += w * x.w;
+      }
+      *reinterpret_cast<float4*>(s_acc + 4 * i) = acc;
+    }
+    __syncthreads();  // the next pass overwrites the O rows
+  }
+  for (int i = threadIdx.x; i < rows * kQuads; i += Tr::kThreads) {
+    const int r = i / kQuads, q = i % kQuads;
+    const float m = row_max(r);
+    float l = 0.f;
+    if (m != -ATTNFORGE_INFINITY)
+      for (int k = 0; k < states; ++k) {
+        const float lse = lse_of(k, r);
+        l += lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);
+      }
+    const QueryRow qr = query_row(it, row0 + r, group, kv_head);
+    float lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
+    const float f = (l > 0.f ? 1.f / l : 0.f) * apply_sink(p.variant, qr.head, &lse);
+    const float4 acc = *reinterpret_cast<const float4*>(s_acc + 4 * i);
+    const int64_t out = (qo_start + qr.tok) * p.o_stride_token + qr.head * p.o_stride_head + 4 * q;
+    store_element(p.o, p.o_dtype, out, acc.x * f);
+    store_element(p.o, p.o_dtype, out + 1, acc.y * f);
+    store_element(p.o, p.o_dtype, out + 2, acc.z * f);
+    store_element(p.o, p.o_dtype, out + 3, acc.w * f);
+    if (p.lse && q == 0) p.lse[(qo_start + qr.tok) * p.lse_stride_token + qr.head] = lse;
   }
 }
 
@@ -535,10 +640,14 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     }
     __syncthreads();
     ATTNFORGE_TL(tl_lap(4);)
-    if constexpr (kCustom)
+    if constexpr (kCustom) {
       finish_rows_variant<Tr, V>(p, va, it, ms, row0, rows, group, kv_head, qo_start, qo_len, kv_len);
-    else
+    } else {
       finish_rows<Tr>(p, it, ms, row0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
+      // Merges in this kernel (AttentionParams::merge_counters): the last of a merge's CTAs combines its states.
+      if (p.merge_counters != nullptr && it.merge >= 0 && arrive_at_merge<Tr>(p, it, kv_head))
+        merge_split_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), row0, rows, group, kv_head, qo_start);
+    }
     ATTNFORGE_TL(tl_lap(5);)
 
     __syncthreads();  // shared memory is reused by the next item

@@ -16,6 +16,12 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, uint32
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
                "r"(src_bytes));
 }
+// A 4-byte global load cached in L2 only (ld.global.cg): data another CTA wrote in this launch, never a stale L1 line.
+__device__ __forceinline__ float load_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+  return v;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

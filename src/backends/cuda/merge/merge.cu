@@ -26,7 +26,7 @@ LaunchConfig attention_launch_config(const AttentionParams& p, int rows_per_cta,
   c.attention = {dim3(p.item_capacity > 0 ? p.item_capacity : 1, p.num_kv_heads, row_blocks), dim3(a.threads),
                  static_cast<unsigned>(a.max_dynamic_smem)};
   c.merge = merge_dims(p);
-  c.run_merge = p.merge_capacity > 0;
+  c.run_merge = p.merge_capacity > 0 && p.merge_counters == nullptr;  // else the decode kernel merges
   return c;
 }
 
@@ -36,7 +36,7 @@ bool merge_programmatic_launch() {
 }
 
 void run_merge(const AttentionParams& p, cudaStream_t stream) {
-  if (p.merge_capacity <= 0) return;
+  if (p.merge_capacity <= 0 || p.merge_counters != nullptr) return;  // none, or merged by the decode kernel
   launch_kernel(merge_kernel, merge_dims(p), stream, merge_programmatic_launch(), p);
   ATTNFORGE_TL(print_timeline("merge", stream);)  // trace builds: before the attention kernel's lines
 }
