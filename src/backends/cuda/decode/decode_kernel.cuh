@@ -163,77 +163,120 @@ __device__ __forceinline__ bool arrive_at_merge(const AttentionParams& p, const 
 }
 
 // The last CTA of a merge combines the states of its rows (row0 .. row0 + rows - 1 of every piece of the request) in
-// the kernel's shared memory, which the K/V stages and Q no longer need (the caller's barrier): the states' LSEs
-// first (one trip), which give every row's maximum m and weight sum l; then their O rows, as many states a pass as
-// the rest holds (one pass for the batch shapes the planner lets merge here: decode_merges_in_kernel), copied by
-// cp.async through L2, summed with weights 2^(lse - m) into each (row, four dims) pair's accumulator. Every state is
-// summed in KV order, whichever CTA merges. The output and LSE are written as the merge kernel writes them
-// (finish_row). A thread keeps nothing across pairs or passes in registers (kept there, they made ptxas spill).
-// A plan with more states than shared memory holds LSEs for reads them from L2 each time: slower, same result.
+// the kernel's shared memory, which the K/V stages and Q no longer need (the caller's barrier). A thread owns (row,
+// four dims) pairs: it copies its pairs' O slices of every state by cp.async through L2 and later reads back only
+// those, so an O copy costs a pointer step and no index arithmetic (the first version spent 16 us of one CTA on it
+// and on per-state divisions: H200 timelines, perf-notes). The LSEs go to shared memory beside them in the same trip;
+// a warp per row turns them into the row's maximum m, weight sum l and per-state weights 2^(lse - m) by shuffles.
+// States are summed in KV order whichever CTA merges. The output and LSE are written as the merge kernel writes
+// them (finish_row). More states than one pass holds (never for the batch shapes the planner lets merge here:
+// decode_merges_in_kernel) first run over the LSEs alone for m and l, then pass by pass over LSEs and O.
 template <class Tr>
 __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const WorkItem& it, uint8_t* smem, int row0,
                                                  int rows, int group, int kv_head, int qo_start) {
-  constexpr int D = Tr::kHeadDim, kQuads = D / 4;
-  const int states = it.merge_states, nq = it.qo_end - it.qo_begin, heads = p.num_qo_heads;
+  constexpr int D = Tr::kHeadDim, kQuads = D / 4, kPairs = (Tr::kRows * kQuads + Tr::kThreads - 1) / Tr::kThreads;
+  __shared__ float s_m[Tr::kRows], s_l[Tr::kRows];
+  const int states = it.merge_states, heads = p.num_qo_heads, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row_floats = rows * D;
-  float* const s_acc = reinterpret_cast<float*>(smem);  // [rows][D]
-  const bool lse_shared = (states * rows + 2 * row_floats) * static_cast<int>(sizeof(float)) <= Tr::kSmemBytes;
-  float* const s_lse = s_acc + row_floats;  // [states][rows], when lse_shared
-  float* const s_o = s_lse + (lse_shared ? states * rows : 0);  // [pass][rows][D]
-  const int pass = (Tr::kSmemBytes / static_cast<int>(sizeof(float)) - static_cast<int>(s_o - s_acc)) / row_floats;
-  // The partial row of (state k, row r): the merge's states take consecutive blocks of nq rows (WorkItem).
-  auto partial_row = [&](int k, int r) {
-    return static_cast<int64_t>(it.merge_row0) + static_cast<int64_t>(k) * nq + (row0 + r) / group;
+  float* const s_acc = reinterpret_cast<float*>(smem);  // [rows][D], a thread's own pairs
+  float* const s_o = s_acc + row_floats;                // [pass][rows][D], a thread's own pairs
+  // States a pass holds: their O rows and, after them, their LSEs (rounded to 16 bytes).
+  const int pass = (Tr::kSmemBytes / static_cast<int>(sizeof(float)) - row_floats - 4) / (row_floats + rows);
+  float* const s_lse = s_o + ((min(pass, states) * row_floats + 3) & ~3);  // [pass][rows]
+  // Partial rows: state k of row r is row merge_row0 + k x nq + (row0 + r) / group (WorkItem), so one state's O
+  // slice is nq x heads x D floats past the state before it.
+  const int64_t nq = it.qo_end - it.qo_begin;
+  auto first_row = [&](int r) { return static_cast<int64_t>(it.merge_row0) + (row0 + r) / group; };
+  auto head_of = [&](int r) { return kv_head * group + (row0 + r) % group; };
+  const bool one_pass = states <= pass;
+  // LSEs of states [k0, k0 + n) into s_lse[k - k0][r].
+  auto load_lses = [&](int k0, int n) {
+    for (int c = threadIdx.x; c < n * rows; c += Tr::kThreads) {
+      const int k = c / rows, r = c - k * rows;
+      s_lse[c] = load_cg(p.partial_lse + (first_row(r) + (k0 + k) * nq) * heads + head_of(r));
+    }
   };
-  auto global_lse = [&](int k, int r) {
-    return load_cg(p.partial_lse + partial_row(k, r) * heads + kv_head * group + (row0 + r) % group);
+  // A warp per row over the states in s_lse: with `fresh`, the row's (m, l) from these states alone, else folded
+  // into the running (m, l); with `weights`, each LSE replaced by its weight against the row's final m.
+  auto row_pass = [&](int n, bool fresh, bool weights) {
+    for (int r = warp; r < rows; r += Tr::kWarps) {
+      float m = -ATTNFORGE_INFINITY;
+      for (int k = lane; k < n; k += 32) m = fmaxf(m, s_lse[k * rows + r]);
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      const float m_old = fresh ? -ATTNFORGE_INFINITY : s_m[r];
+      if (!weights || fresh) {
+        const float m_new = fmaxf(m, m_old);
+        float l = 0.f;
+        if (m_new != -ATTNFORGE_INFINITY)
+          for (int k = lane; k < n; k += 32) {
+            const float lse = s_lse[k * rows + r];
+            l += lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m_new);
+          }
+        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+        if (lane == 0) {
+          const float l_old = fresh || m_old == -ATTNFORGE_INFINITY ? 0.f : s_l[r] * exp2f(m_old - m_new);
+          s_m[r] = m_new, s_l[r] = l_old + l;
+        }
+        m = m_new;
+      } else {
+        m = m_old;
+      }
+      if (weights)
+        for (int k = lane; k < n; k += 32) {
+          const float lse = s_lse[k * rows + r];
+          s_lse[k * rows + r] = lse == -ATTNFORGE_INFINITY || m == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);
+        }
+    }
   };
-  auto lse_of = [&](int k, int r) { return lse_shared ? s_lse[k * rows + r] : global_lse(k, r); };
-  if (lse_shared)
-    for (int i = threadIdx.x; i < states * rows; i += Tr::kThreads) s_lse[i] = global_lse(i / rows, i % rows);
-  for (int i = threadIdx.x; i < row_floats; i += Tr::kThreads) s_acc[i] = 0.f;
-  // Row r's maximum LSE (log2 units; -inf when every state is empty).
-  auto row_max = [&](int r) {
-    float m = -ATTNFORGE_INFINITY;
-    for (int k = 0; k < states; ++k) m = fmaxf(m, lse_of(k, r));
-    return m;
-  };
+  if (!one_pass) {  // the rows' m and l over every state first
+    for (int k0 = 0; k0 < states; k0 += pass) {
+      load_lses(k0, min(pass, states - k0));
+      __syncthreads();
+      row_pass(min(pass, states - k0), k0 == 0, false);
+      __syncthreads();
+    }
+  }
   for (int k0 = 0; k0 < states; k0 += pass) {
     const int n = min(pass, states - k0);
-    for (int i = threadIdx.x; i < n * rows * kQuads; i += Tr::kThreads) {
-      const int k = i / (rows * kQuads), r = (i / kQuads) % rows, q = i % kQuads;
-      const int head = kv_head * group + (row0 + r) % group;
-      cp_async_16(s_o + 4 * i, p.partial_o + (partial_row(k0 + k, r) * heads + head) * D + 4 * q, 16);
+#pragma unroll 1
+    for (int j = 0; j < kPairs; ++j) {
+      const int i = threadIdx.x + j * Tr::kThreads;
+      if (i >= row_floats / 4) continue;
+      const int r = i / kQuads;
+      const float* src = p.partial_o + ((first_row(r) + k0 * nq) * heads + head_of(r)) * D + 4 * (i % kQuads);
+      float* dst = s_o + 4 * i;
+      for (int k = 0; k < n; ++k, src += nq * heads * D, dst += row_floats) cp_async_16(dst, src, 16);
     }
     cp_async_commit();
+    load_lses(k0, n);
     cp_async_wait<0>();
-    __syncthreads();  // the pass's O rows (and the LSEs) are in shared memory
-    for (int i = threadIdx.x; i < rows * kQuads; i += Tr::kThreads) {
-      const int r = i / kQuads, q = i % kQuads;
-      const float m = row_max(r);
-      if (m == -ATTNFORGE_INFINITY) continue;  // every state of the row is empty
-      float4 acc = *reinterpret_cast<const float4*>(s_acc + 4 * i);
+    __syncthreads();  // the LSEs are in; every thread's own O copies have landed
+    row_pass(n, one_pass, true);
+    __syncthreads();  // the weights are in
+#pragma unroll 1
+    for (int j = 0; j < kPairs; ++j) {
+      const int i = threadIdx.x + j * Tr::kThreads;
+      if (i >= row_floats / 4) continue;
+      const int r = i / kQuads;
+      float4 acc = k0 == 0 ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(s_acc + 4 * i);
+      const float* o = s_o + 4 * i;
+#pragma unroll 8
       for (int k = 0; k < n; ++k) {
-        const float lse = lse_of(k0 + k, r);
-        if (lse == -ATTNFORGE_INFINITY) continue;  // an empty state's O is never read
-        const float w = exp2f(lse - m);
-        const float4 x = *reinterpret_cast<const float4*>(s_o + (k * rows + r) * D + 4 * q);
+        const float w = s_lse[k * rows + r];
+        const float4 x = *reinterpret_cast<const float4*>(o + k * row_floats);
         acc.x += w * x.x, acc.y += w * x.y, acc.z += w * x.z, acc.w += w * x.w;
       }
       *reinterpret_cast<float4*>(s_acc + 4 * i) = acc;
     }
-    __syncthreads();  // the next pass overwrites the O rows
+    __syncthreads();  // the next pass overwrites the LSEs
   }
-  for (int i = threadIdx.x; i < rows * kQuads; i += Tr::kThreads) {
+#pragma unroll 1
+  for (int j = 0; j < kPairs; ++j) {
+    const int i = threadIdx.x + j * Tr::kThreads;
+    if (i >= row_floats / 4) continue;
     const int r = i / kQuads, q = i % kQuads;
-    const float m = row_max(r);
-    float l = 0.f;
-    if (m != -ATTNFORGE_INFINITY)
-      for (int k = 0; k < states; ++k) {
-        const float lse = lse_of(k, r);
-        l += lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);
-      }
     const QueryRow qr = query_row(it, row0 + r, group, kv_head);
+    const float m = s_m[r], l = s_l[r];
     float lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
     const float f = (l > 0.f ? 1.f / l : 0.f) * apply_sink(p.variant, qr.head, &lse);
     const float4 acc = *reinterpret_cast<const float4*>(s_acc + 4 * i);
