@@ -65,23 +65,32 @@ TEST(PlannerHeuristics, KvChunkLongDecode) {
   EXPECT_EQ(choose_kv_chunk(split_input(1, 8, 32768, 32768, 16)), 8192);
 }
 
-TEST(PlannerHeuristics, DecodeMergesInTheKernelWhileTheStatesFitAFewPasses) {
+TEST(PlannerHeuristics, DecodeMergesInTheKernelWhileTheStatesFitItsPasses) {
   // One request, 8 KV heads, 264 workers, one wave: up to 264 / 8 + 1 = 34 states of 4 rows x 129 floats (head_dim
-  // 128 and the LSE): 70 KB, one pass of a 100 KB CTA.
+  // 128 and the LSE; 2064 bytes) beside 4 x 128 accumulators (2048 bytes): 48 states a pass of a 100 KB CTA.
   SplitInput in = split_input(1, 8, 32768, 32768, 264);
   in.waves = 1;
-  EXPECT_TRUE(planner::decode_merges_in_kernel(in, 4, 128, 100 * 1024));
+  EXPECT_TRUE(planner::decode_merges_in_kernel(in, 4, 128, 100 * 1024, 1));
   // The bound is the batch size's, not these lengths': no KV at all gives the same answer.
-  EXPECT_TRUE(planner::decode_merges_in_kernel(split_input(1, 8, 0, 0, 264), 4, 128, 100 * 1024));
-  // One KV head (a group of 32: 16-row CTAs): up to 265 states of 16 rows, 2.2 MB: the merge kernel's job.
+  SplitInput no_kv = in;
+  no_kv.total_kv = no_kv.max_kv = 0;
+  EXPECT_TRUE(planner::decode_merges_in_kernel(no_kv, 4, 128, 100 * 1024, 1));
+  // Two waves (a batch of a wave or more, cut toward two): 67 states, more than a pass holds.
+  SplitInput two_waves = in;
+  two_waves.waves = 2;
+  EXPECT_FALSE(planner::decode_merges_in_kernel(two_waves, 4, 128, 100 * 1024, 1));
+  // One KV head (a group of 32: 16-row CTAs): up to 265 states, 11 a pass: the merge kernel's job.
   in.num_kv_heads = 1;
-  EXPECT_FALSE(planner::decode_merges_in_kernel(in, 16, 128, 100 * 1024));
-  // At the edge: 34 states x 4 rows x 129 x 4 bytes = 70176 bytes against kDecodeMergePasses passes.
+  EXPECT_FALSE(planner::decode_merges_in_kernel(in, 16, 128, 100 * 1024, 1));
+  EXPECT_FALSE(planner::decode_merges_in_kernel(in, 16, 128, 100 * 1024, 4));
+  // At the edge: 34 states a pass need 34 x 2064 + 2048 + 16 = 72240 bytes; 17 a pass in two passes, 37152.
   in.num_kv_heads = 8;
-  EXPECT_TRUE(planner::decode_merges_in_kernel(in, 4, 128, 70176 / planner::kDecodeMergePasses));
-  EXPECT_FALSE(planner::decode_merges_in_kernel(in, 4, 128, 70176 / planner::kDecodeMergePasses - 1));
+  EXPECT_TRUE(planner::decode_merges_in_kernel(in, 4, 128, 72240, 1));
+  EXPECT_FALSE(planner::decode_merges_in_kernel(in, 4, 128, 72239, 1));
+  EXPECT_TRUE(planner::decode_merges_in_kernel(in, 4, 128, 37152, 2));
+  EXPECT_FALSE(planner::decode_merges_in_kernel(in, 4, 128, 37151, 2));
   // A backend without the kernel merge.
-  EXPECT_FALSE(planner::decode_merges_in_kernel(in, 0, 128, 0));
+  EXPECT_FALSE(planner::decode_merges_in_kernel(in, 0, 128, 0, 0));
 }
 
 TEST(PlannerHeuristics, KvChunkAtLeastMinChunk) {

@@ -30,11 +30,14 @@ int32_t choose_kv_chunk(const SplitInput& in) {
   return static_cast<int32_t>(chunk);
 }
 
-bool decode_merges_in_kernel(const SplitInput& in, int32_t cta_rows, int32_t head_dim_vo, int64_t smem_bytes) {
-  if (cta_rows <= 0 || smem_bytes <= 0) return false;
+bool decode_merges_in_kernel(const SplitInput& in, int32_t cta_rows, int32_t head_dim_vo, int64_t smem_bytes,
+                             int32_t passes) {
+  if (cta_rows <= 0 || smem_bytes <= 0 || passes <= 0) return false;
   const int64_t states = split_target_items(in) + 1;
-  const int64_t state_bytes = static_cast<int64_t>(cta_rows) * (head_dim_vo + 1) * static_cast<int64_t>(sizeof(float));
-  return states * state_bytes <= kDecodeMergePasses * smem_bytes;
+  const int64_t acc_bytes = static_cast<int64_t>(cta_rows) * head_dim_vo * static_cast<int64_t>(sizeof(float));
+  const int64_t state_bytes = acc_bytes + cta_rows * static_cast<int64_t>(sizeof(float));
+  const int64_t per_pass = (smem_bytes - acc_bytes - 16) / state_bytes;  // as the kernel counts (merge_split_rows)
+  return per_pass > 0 && states <= per_pass * passes;
 }
 
 void schedule_pairs(std::span<const int64_t> item_work, int32_t num_kv_heads, int32_t ctas,
