@@ -32,12 +32,13 @@ class Backend {
   }
   // A decode kernel that merges split KV itself (AttentionPlan::merge_counters): the query rows one of its CTAs
   // holds (a merge's counters are kept per block of them) and the shared memory its last CTA combines states in;
-  // and the passes over it a merge may take; {0, 0, 0}: merges run as a kernel of their own. `kv_stages`: the
-  // plan's (0: the default pipeline).
+  // and the passes over it a merge may take in batches of a wave of CTAs or more (their merges hold two or three
+  // states but for a skewed batch's longest request) and in smaller batches (one long request: dozens of states);
+  // {0, 0, 0, 0}: merges run as a kernel of their own. `kv_stages`: the plan's (0: the default pipeline).
   struct DecodeMerge {
     int32_t cta_rows = 0;
     int64_t smem_bytes = 0;
-    int32_t passes = 0;
+    int32_t passes = 0, small_batch_passes = 0;
   };
   virtual DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const {
     (void)shape, (void)kv_stages;

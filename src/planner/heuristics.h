@@ -43,8 +43,7 @@ int32_t choose_kv_chunk(const SplitInput& in);
 // combines every state of its rows, `cta_rows` rows of head_dim_vo floats and an LSE each, through `smem_bytes` of
 // shared memory a pass, beside one state's worth of accumulators. Yes while the most states a merge of this batch
 // size can have (split_target_items + 1) take at most `passes` passes: a merge kernel spreads bigger merges over
-// many CTAs. (H200, 93fa9ce: one pass is a gain or level; a second pass made decode 1 x 32768 at head_dim 64, 49
-// states, 2 us slower than the merge kernel.)
+// many CTAs.
 bool decode_merges_in_kernel(const SplitInput& in, int32_t cta_rows, int32_t head_dim_vo, int64_t smem_bytes,
                              int32_t passes);
 

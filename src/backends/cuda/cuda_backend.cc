@@ -156,16 +156,17 @@ class CudaBackend final : public Backend {
     return ctas > 0 ? Pipeline{stages, sms_ * ctas} : Pipeline{};
   }
   // The decode kernel merges split KV itself (decode_kernel.cuh, merge_split_rows): its CTAs hold 16 rows and its
-  // last CTA of a merge combines states in the kernel's shared memory, in one pass. ATTNFORGE_DECODE_KERNEL_MERGE=0
-  // leaves every merge to the merge kernel (A/B runs); =several lets merges of up to four passes run in the kernel
-  // too (the tests of that path; README).
+  // last CTA of a merge combines states in the kernel's shared memory: in up to four passes in batches of a wave or
+  // more, in one in smaller batches (a second pass made 1 x 32768 at head_dim 64, 49 states, 2 us slower than the
+  // merge kernel: H200, 93fa9ce). ATTNFORGE_DECODE_KERNEL_MERGE=0 leaves every merge to the merge kernel (A/B runs);
+  // =several lets small batches take four passes too (the tests of that path; README).
   DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const override {
     static const std::string mode = detail::env_choice("ATTNFORGE_DECODE_KERNEL_MERGE", {"0", "1", "several"}, "1");
     if (mode == "0") return {};
     const AttentionShape s = normalized(shape);
     const int stages = kv_stages > 0 ? kv_stages : cuda::default_decode_stages(s.kv_dtype);
     return {cuda::kDecodeCtaRows, cuda::decode_attributes(s.head_dim_qk, s.kv_dtype, stages).max_dynamic_smem,
-            mode == "several" ? 4 : 1};
+            4, mode == "several" ? 4 : 1};
   }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).
   // The short tile (64 rows) when the batch's requests pack at most that many rows on average, else the head dim's

@@ -169,9 +169,9 @@ __device__ __forceinline__ bool arrive_at_merge(const AttentionParams& p, const 
 // and on per-state divisions: H200 timelines, perf-notes). The LSEs go to shared memory beside them in the same trip;
 // a warp per row turns them into the row's maximum m, weight sum l and per-state weights 2^(lse - m) by shuffles.
 // States are summed in KV order whichever CTA merges. The output and LSE are written as the merge kernel writes
-// them (finish_row). More states than one pass holds (only where ATTNFORGE_DECODE_KERNEL_MERGE=several lets the
-// planner choose such shapes: decode_merges_in_kernel) first run over the LSEs alone for m and l, then pass by pass
-// over LSEs and O.
+// them (finish_row). More states than one pass holds (a skewed batch's longest request, where the planner allows
+// several passes: decode_merges_in_kernel) first run over the LSEs alone for m and l, then pass by pass over LSEs
+// and O.
 template <class Tr>
 __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const WorkItem& it, uint8_t* smem, int row0,
                                                  int rows, int group, int kv_head, int qo_start) {
