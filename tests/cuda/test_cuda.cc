@@ -87,6 +87,22 @@ struct UploadedPlan {
   UploadedPlan& operator=(const UploadedPlan&) = delete;
 };
 
+// Runs an uploaded plan once on poisoned outputs and brings them back: the verdict against the float64 reference and
+// the output's bytes.
+struct CheckedRun {
+  Verdict verdict;
+  std::vector<uint8_t> bytes;
+};
+CheckedRun run_checked(Case& c, DeviceCase& dev, const AttentionPlan& plan, const Workspace& w) {
+  c.poison_outputs();
+  dev.upload_outputs(c);
+  run(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, w, nullptr);
+  EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
+  dev.download_outputs(c);
+  const uint8_t* o = static_cast<const uint8_t*>(c.out_view.data);
+  return {check_case(c, {}), std::vector<uint8_t>(o, o + c.out_view.numel() * 2)};
+}
+
 std::string run_and_check(const CaseSpec& spec, int64_t max_rows = 1 << 30) {
   Case c = make_case(spec);
   DeviceCase dev(c);
@@ -900,19 +916,12 @@ TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
   const Workspace& w = uploaded.w;
   std::vector<uint8_t> first;
   for (int run_index = 0; run_index < 4; ++run_index) {
-    c.poison_outputs();
-    dev.upload_outputs(c);
-    run(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, w, nullptr);
-    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
-    dev.download_outputs(c);
-    const Verdict v = check_case(c, {});
-    EXPECT_TRUE(v.ok) << "run " << run_index << ": " << v.message;
-    const uint8_t* o = static_cast<const uint8_t*>(c.out_view.data);
-    const std::vector<uint8_t> bytes(o, o + c.out_view.numel() * 2);
+    const CheckedRun r = run_checked(c, dev, plan, w);
+    EXPECT_TRUE(r.verdict.ok) << "run " << run_index << ": " << r.verdict.message;
     if (run_index == 0)
-      first = bytes;
+      first = r.bytes;
     else
-      EXPECT_TRUE(bytes == first) << "run " << run_index << " differs from run 0";
+      EXPECT_TRUE(r.bytes == first) << "run " << run_index << " differs from run 0";
   }
 
 }
@@ -947,19 +956,13 @@ AttentionPlan expect_kernel_merge(CaseSpec s) {
   const UploadedPlan uploaded(plan);
   std::vector<uint8_t> first;
   for (int run_index = 0; run_index < 2; ++run_index) {
-    c.poison_outputs();
-    dev.upload_outputs(c);
-    run(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, uploaded.w, nullptr);
-    EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
-    dev.download_outputs(c);
-    const Verdict v = check_case(c, {});
-    EXPECT_TRUE(v.ok) << "run " << run_index << ": " << v.message << "\n  plan: " << plan.describe();
-    const uint8_t* o = static_cast<const uint8_t*>(c.out_view.data);
-    const std::vector<uint8_t> bytes(o, o + c.out_view.numel() * 2);
+    const CheckedRun checked = run_checked(c, dev, plan, uploaded.w);
+    EXPECT_TRUE(checked.verdict.ok) << "run " << run_index << ": " << checked.verdict.message
+                                    << "\n  plan: " << plan.describe();
     if (run_index == 0)
-      first = bytes;
+      first = checked.bytes;
     else
-      EXPECT_TRUE(bytes == first) << "run 1 differs from run 0";
+      EXPECT_TRUE(checked.bytes == first) << "run 1 differs from run 0";
     std::vector<int32_t> counters(static_cast<size_t>(plan.merge_counters), -1);
     EXPECT_EQ(cudaSuccess, cudaMemcpy(counters.data(),
                                       static_cast<char*>(uploaded.ws) + detail::plan_layout(plan).merge_counters,
@@ -1030,15 +1033,9 @@ TEST(CudaSmallBatchPipeline, ChosenByBatchSizeGivesTheDefaultKernelsBits) {
   }
   auto output_bytes = [&](AttentionPlan& plan) {
     const UploadedPlan uploaded(plan);
-    c.poison_outputs();
-    dev.upload_outputs(c);
-    run(plan, dev.q, dev.paged, Outputs{dev.out, dev.lse}, dev.options, uploaded.w, nullptr);
-    EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
-    dev.download_outputs(c);
-    const Verdict v = check_case(c, {});
-    EXPECT_TRUE(v.ok) << plan.describe() << ": " << v.message;
-    const uint8_t* o = static_cast<const uint8_t*>(c.out_view.data);
-    return std::vector<uint8_t>(o, o + c.out_view.numel() * 2);
+    CheckedRun r = run_checked(c, dev, plan, uploaded.w);
+    EXPECT_TRUE(r.verdict.ok) << plan.describe() << ": " << r.verdict.message;
+    return std::move(r.bytes);
   };
   EXPECT_TRUE(output_bytes(deep) == output_bytes(plain)) << "the small-batch pipeline changed the bits";
 
