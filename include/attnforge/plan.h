@@ -72,6 +72,9 @@ struct AttentionPlan {
   int32_t batch_size = 0;
   int64_t total_qo = 0;
   bool causal = false;        // made with PlanOptions::causal
+  // Made with PlanOptions::deterministic: run() then launches every merge in one fixed shape (CUDA: the merge
+  // kernel's block shape), so a request's states are summed in the same order whatever else the batch holds.
+  bool deterministic = false;
   int32_t qo_tile = 0;        // query tokens per item (decode: a whole request)
   int32_t tile_rows = 0;      // prefill: the packed rows per tile the plan was cut for (a device's CTA rows); decode 0
   // Decode: the K/V pipeline stages the plan was cut for, where the device runs batches too small to fill it with

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "attnforge/ops.h"
 #include "backends/backend.h"
@@ -371,7 +372,9 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
   p.merge_capacity = plan.merge_capacity;
   p.qo_tile = plan.qo_tile;
   p.tile_rows = plan.tile_rows;
-  p.max_merge_states = plan.max_merge_states;
+  // The merge kernel's shape follows the plan's largest merge; a deterministic plan takes the shape of the largest
+  // merges for all of them, or a request's merge would be summed in another order once a batch held a larger one.
+  p.max_merge_states = plan.deterministic ? std::numeric_limits<int32_t>::max() : plan.max_merge_states;
   p.kv_stages = plan.kv_stages;
   p.schedule_ctas = plan.schedule_ctas;
   p.programmatic_launch = options.programmatic_launch ? 1 : 0;

@@ -164,6 +164,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     max_qo = std::max(max_qo, qo_len);
   }
   plan.causal = a.options.causal;
+  plan.deterministic = a.options.deterministic;
 
   const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
   const int32_t tile_rows = a.options.tile_rows;
