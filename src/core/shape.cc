@@ -107,7 +107,7 @@ PlanLayout plan_layout(const AttentionPlan& plan) {
   const int64_t schedule = plan.schedule_ctas > 0 ? plan.schedule_ctas + 1 + pairs : 0;
   PlanLayout l{};
   // The schedule first: its place does not depend on the capacities, which AttentionParams::schedule relies on.
-  l.schedule = plan_schedule_offset();
+  l.schedule = align256(sizeof(PlanView));
   l.qo_indptr = l.schedule + align256(schedule * sizeof(int32_t));
   l.kv_len = l.qo_indptr + align256((batch + 1) * sizeof(int32_t));
   l.items = l.kv_len + align256(batch * sizeof(int32_t));
@@ -116,7 +116,5 @@ PlanLayout plan_layout(const AttentionPlan& plan) {
   l.end = l.merge_counters + align256(plan.merge_counters * sizeof(int32_t));
   return l;
 }
-
-size_t plan_schedule_offset() { return align256(sizeof(PlanView)); }
 
 }  // namespace attnforge::detail

@@ -24,15 +24,13 @@ size_t partial_state_bytes(int64_t rows, const AttentionShape& s);
 // Where a device backend keeps the plan metadata at the start of the workspace: byte offsets of the regions after
 // the PlanView (at 0), each 256-byte aligned and sized by the plan's batch size and capacities (the schedule: its
 // offsets and a pair for every item at capacity and KV head; the decode kernel's merge counters, uploaded as zeros),
-// and their end (the metadata's bytes). The schedule
-// comes first, at the same place for every plan: kernels reach it through their launch parameters, which a
-// captured graph keeps, and the rest through the PlanView, which each upload rewrites.
+// and their end (the metadata's bytes). The schedule comes first, at the same place for every plan: kernels reach it
+// through their launch parameters, which a captured graph keeps, and the rest through the PlanView, which each
+// upload rewrites.
 struct PlanLayout {
   size_t schedule, qo_indptr, kv_len, items, merges, merge_counters, end;
 };
 PlanLayout plan_layout(const AttentionPlan& plan);
-// The schedule's offset, the same for every plan (run() needs it alone).
-size_t plan_schedule_offset();
 
 // K/V pointers, dtype, format, page size, heads, strides (by layout) and scales of a paged cache whose views
 // were validated; page ids and indptr are left to the caller.

@@ -379,31 +379,26 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
   p.schedule_ctas = plan.schedule_ctas;
   p.programmatic_launch = options.programmatic_launch ? 1 : 0;
   PlanView& host_view = prepared.host_view;
-  host_view = PlanView{};
+  host_view = plan_view(plan, ws.data);
+  p.partial_o = host_view.partial_o;
+  p.partial_lse = host_view.partial_lse;
   if (backend.plan_in_device_memory()) {
     if (plan.uploaded_to == nullptr || plan.uploaded_to != ws.data)
       fail(ErrorKind::kPlanMismatch, "plan: not uploaded to this workspace ({}); call upload_plan(plan, workspace, "
            "staging, ...) after planning and before run()", ws.data);
-    p.plan = static_cast<const PlanView*>(ws.data);
-    p.items = reinterpret_cast<const WorkItem*>(static_cast<const char*>(ws.data) + detail::plan_layout(plan).items);
-    if (plan.schedule_ctas > 0)
-      p.schedule = reinterpret_cast<const int32_t*>(static_cast<const char*>(ws.data) + detail::plan_schedule_offset());
-    if (plan.merge_counters > 0)
-      p.merge_counters =
-          reinterpret_cast<int32_t*>(static_cast<char*>(ws.data) + detail::plan_layout(plan).merge_counters);
-    const PlanView v = plan_view(plan, ws.data);
-    p.partial_o = v.partial_o;
-    p.partial_lse = v.partial_lse;
+    char* const base = static_cast<char*>(ws.data);
+    const detail::PlanLayout l = detail::plan_layout(plan);
+    p.plan = reinterpret_cast<const PlanView*>(base);
+    p.items = reinterpret_cast<const WorkItem*>(base + l.items);
+    if (plan.schedule_ctas > 0) p.schedule = reinterpret_cast<const int32_t*>(base + l.schedule);
+    if (plan.merge_counters > 0) p.merge_counters = reinterpret_cast<int32_t*>(base + l.merge_counters);
   } else {
-    host_view = plan_view(plan, ws.data);
     host_view.qo_indptr = plan.qo_indptr.data();
     host_view.kv_len = plan.kv_len.data();
     host_view.items = plan.items.data();
     host_view.merges = plan.merges.data();
     p.plan = &host_view;
     p.items = host_view.items;
-    p.partial_o = host_view.partial_o;
-    p.partial_lse = host_view.partial_lse;
   }
 }
 

@@ -286,7 +286,6 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     it.qo_len = plan.qo_indptr[b + 1] - it.qo_start;
     it.kv_len = plan.kv_len[b];
     it.page_list = page_lists[b];
-    it.merge = -1;
   }
   // A split item names its merge (WorkItem): its states' partial rows are consecutive from the first piece's.
   for (size_t m = 0; m < plan.merges.size(); ++m) {

@@ -30,7 +30,8 @@ int main(int argc, char** argv) {
                         "On a GPU: all (decode and prefill), decode, prefill, or long (one 1M-token decode on 1 GPU "
                         "and split over 2, 4, 8 GPUs by context parallelism; not in all)")
       ->check(CLI::IsMember({"all", "decode", "prefill", "long"}));
-  bench_cmd->add_option("--case", bench.case_filter, "Only the cases whose name contains this text (or one of several separated by |)");
+  bench_cmd->add_option("--case", bench.case_filter,
+                        "Only the cases whose name contains this text (or one of several separated by |)");
   bench_cmd->add_option("--gpus", bench.gpus, "--suite long: the most GPUs to split over (default: every visible GPU, "
                                              "at most 8)")
       ->check(CLI::Range(1, 8));
