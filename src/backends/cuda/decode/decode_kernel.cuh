@@ -56,7 +56,9 @@ struct DecodeTraits {
   // two 100 KB CTAs per SM left every scheduler idle 64% of cycles). fp8 tiles are half the bytes: four stages
   // (kDefaultDecodeStagesFp8) fit the same shared memory and keep twice the tokens in flight.
   static constexpr int kStages = kStages_;
-  static constexpr int kMinBlocksPerSM = kHeadDim <= 128 ? 3 : 1;  // caps registers so three CTAs fit
+  // Caps registers so that three CTAs fit where their shared memory does (two stages of 16-bit tiles, fp8 tiles); the
+  // deeper 16-bit pipeline's CTAs at head_dim 128 fit two to an SM (100 KB), and take the registers two leave them.
+  static constexpr int kMinBlocksPerSM = kHeadDim > 128 ? 1 : (kHeadDim == 128 && kStages >= 3 && !kFp8 ? 2 : 3);
   static constexpr int kKVRowBytes = kHeadDim * KVStorage<KV>::kBytes;
   static constexpr int kTileBytes = kTileTokens * kKVRowBytes;  // one K (or V) stage
   static constexpr int kQBytes = 2 * kRows * kHeadDim;
@@ -139,6 +141,17 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
       if (d == 0) partial_lse[prow * p.num_qo_heads + q.head] = lse;
     }
   }
+}
+
+// A work item (seven aligned 8-byte words) read under an L2 policy (l2_policy).
+__device__ __forceinline__ void load_item(const WorkItem* src, uint64_t policy, WorkItem& it) {
+  static_assert(sizeof(WorkItem) % 8 == 0 && alignof(WorkItem) == 8, "whole aligned 8-byte words");
+  constexpr int kWords = sizeof(WorkItem) / 8;
+  int2 w[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) load_with_policy(reinterpret_cast<const int2*>(src) + i, policy, w[i]);
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) reinterpret_cast<int2*>(&it)[i] = w[i];
 }
 
 // Counts this CTA's written state into its merge (AttentionParams::merge_counters); true in the CTA that arrives
@@ -376,10 +389,13 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   // item carries its request's context (WorkItem), so the page-table reads below are the CTA's second trip to
   // memory (they were its fourth: the PlanView, the item, the request arrays; 0.7-0.9 us each in the per-CTA
   // timelines of 1 x 32768).
+  // The plan's items and the page table are read under this L2 policy (AttentionParams::meta_evict_last): evict_last
+  // keeps their lines through the K/V stream, so the next step's first two trips find them in L2.
+  const uint64_t meta_policy = l2_policy(p.meta_evict_last != 0);
   const int num_items = plan.num_items;
   for (int item_index = linear / p.num_kv_heads;; item_index += gridDim.x) {
     WorkItem it{};
-    if (item_index < p.item_capacity) it = p.items[item_index];
+    if (item_index < p.item_capacity) load_item(p.items + item_index, meta_policy, it);
     if (item_index >= num_items) break;
     using Loader = KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes>;
     ItemRows m;
@@ -391,6 +407,20 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     grid_dependency_wait();
     const int64_t page_list = Loader::page_list_of(kv, it);
     const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
+    // The first tiles' page ids go out before the rows' KV bounds are worked out, for tiles from the item's first
+    // token: the usual row attends the item's whole range, so the page-table trip runs under the row arithmetic
+    // below instead of after it (1 x 32768 timelines: item at 0.8 us, rows' bounds at 1.6, tile 0 out at 2.9 and
+    // tile 1 at 4.0, each tile's copies behind a trip of its own). Where the rows start later (a window, causal
+    // rows of a longer query), the ids are fetched again. With three or more stages, tile 1's ids come in the same
+    // trip (`ahead`).
+    constexpr bool kAhead = Tr::kStages >= 3;
+    Loader loader(kv, page_list, kv_head, it.kv_begin, it.kv_end);
+    Loader ahead = loader;
+    const bool any_kv = it.kv_end > it.kv_begin;
+    if (any_kv) {
+      loader.fetch_pages(0, meta_policy);
+      if constexpr (kAhead) ahead.fetch_pages(1, meta_policy);
+    }
 
     ATTNFORGE_TL(if (tl_one) tl_pro[0] = cycles() - tl_t;)
     // Q rows -> shared (zeros past `rows`); committed with the first K/V tile (fp8: after the prologue below). Issued
@@ -424,11 +454,16 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + Tr::kTileTokens - 1) / Tr::kTileTokens : 0;
 
     ATTNFORGE_TL(if (tl_one) tl_pro[1] = cycles() - tl_t;)
-    Loader loader(kv, page_list, kv_head, range_lo, range_hi);
+    loader.retarget(range_lo, range_hi);
+    ahead.retarget(range_lo, range_hi);
+    if (range_lo != it.kv_begin && num_tiles > 0) {  // CTA-uniform: every warp reduced the same 16 rows
+      loader.fetch_pages(0, meta_policy);
+      if constexpr (kAhead) ahead.fetch_pages(1, meta_policy);
+    }
     auto load_tile = [&](int t, int s) {
       loader.load(t, sK + s * Tr::kTileBytes, sV + s * Tr::kTileBytes);
     };
-    auto fetch_pages = [&](int t) { loader.fetch_pages(t); };
+    auto fetch_pages = [&](int t) { loader.fetch_pages(t, meta_policy); };
 
     float o_acc[D / 8][4];
     for (int n = 0; n < D / 8; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
@@ -438,8 +473,12 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
 
     for (int s = 0; s < Tr::kStages - 1; ++s) {
       if (s < num_tiles) {
-        fetch_pages(s);
-        load_tile(s, s);
+        if (s == 1 && kAhead) {
+          ahead.load(1, sK + Tr::kTileBytes, sV + Tr::kTileBytes);
+        } else {
+          if (s > 0) fetch_pages(s);
+          load_tile(s, s);
+        }
       }
       ATTNFORGE_TL(if (tl_one && s == 0) tl_pro[2] = cycles() - tl_t;)
       cp_async_commit();

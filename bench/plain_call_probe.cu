@@ -1,0 +1,212 @@
+// What a plain-timed call (events around one call after a sync, as bench and the peers time them) pays beyond its
+// kernel's own span on this machine, for kernels shaped like a split decode step (264 CTAs of 128 threads, 1 KB of
+// parameters, 100 KB of dynamic shared memory: two CTAs an SM), and the fastest such call can be for a step's bytes:
+//   - a kernel that spins for a fixed time: launched plainly, with the programmatic-serialization attribute, and
+//     with griddepcontrol.launch_dependents at its start or its end, alone or followed by an empty dependent kernel
+//     (the decode kernel and the merge kernel);
+//   - a streaming read of the 1 x 32768 step's 134 MB of K/V (rotated over 4 buffers): plain, as a graph of one
+//     call, and a call's share of a graph of 16.
+// Each row: the events' median, the kernel's median span (first CTA's start to the last CTA's end, by %globaltimer)
+// and their difference.
+// Build: nvcc -O2 -gencode=arch=compute_90a,code=sm_90a -o plain_call_probe bench/plain_call_probe.cu
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                          \
+  do {                                                                                    \
+    cudaError_t e_ = (x);                                                                 \
+    if (e_ != cudaSuccess) {                                                              \
+      std::printf("%s failed: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__);    \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+struct Params {
+  unsigned long long* stamps;  // [0] min start, [1] max end (global ns)
+  const uint4* src;            // the streaming read's buffer
+  float* sink;                 // one float a CTA (keeps the read alive)
+  long long spin_ns;
+  long long chunk;             // uint4s a CTA reads
+  int trigger;                 // 0 none, 1 launch_dependents at the start, 2 at the end
+  long long pad[120];          // 1 KB of parameters, as AttentionParams
+};
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void stamp_start(const Params& p, unsigned long long t) {
+  if (threadIdx.x == 0) atomicMin(p.stamps, t);
+}
+__device__ __forceinline__ void stamp_end(const Params& p) {
+  __syncthreads();
+  if (threadIdx.x == 0) atomicMax(p.stamps + 1, now_ns());
+}
+
+__global__ void __launch_bounds__(128) spin_kernel(const Params p) {
+  const unsigned long long t0 = now_ns();
+  stamp_start(p, t0);
+  if (p.trigger == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  while (now_ns() - t0 < static_cast<unsigned long long>(p.spin_ns)) {
+  }
+  if (p.trigger == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  stamp_end(p);
+}
+
+__global__ void __launch_bounds__(128) read_kernel(const Params p) {
+  const unsigned long long t0 = now_ns();
+  stamp_start(p, t0);
+  const uint4* base = p.src + blockIdx.x * p.chunk;
+  uint32_t acc = 0;
+  for (long long i = threadIdx.x; i < p.chunk; i += 128 * 8) {
+    uint4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const long long j = i + u * 128;
+      if (j < p.chunk)
+        asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                     : "l"(base + j));
+      else
+        v[u] = make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  if (p.trigger == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (acc == 0x12345678u) p.sink[blockIdx.x] = 1.f;
+  stamp_end(p);
+}
+
+__global__ void dependent_kernel(const Params p) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (p.trigger == 12345) p.sink[0] = 0.f;
+}
+
+struct Row {
+  const char* name;
+  double events, span;
+};
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int grid = 2 * sms, threads = 128, smem = 100 * 1024;
+  CHECK(cudaFuncSetAttribute(spin_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(read_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const long long bytes = 32768LL * 8 * 128 * 2 * 2;  // 1 x 32768, 8 KV heads, head_dim 128, K and V, bf16
+  const int kBuffers = 4;
+  std::vector<uint4*> bufs(kBuffers);
+  for (auto& b : bufs) {
+    CHECK(cudaMalloc(&b, bytes));
+    CHECK(cudaMemset(b, 0x5a, bytes));
+  }
+  unsigned long long* stamps;
+  float* sink;
+  CHECK(cudaMalloc(&stamps, 2 * sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&sink, grid * sizeof(float)));
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+
+  Params base{};
+  base.stamps = stamps, base.sink = sink, base.spin_ns = 35000, base.chunk = bytes / 16 / grid;
+  auto launch = [&](void (*k)(Params), const Params& p, bool pdl, int g, int s) {
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t c{};
+    c.gridDim = dim3(g), c.blockDim = dim3(threads), c.dynamicSmemBytes = s, c.stream = stream;
+    c.attrs = &attr, c.numAttrs = pdl ? 1 : 0;
+    CHECK(cudaLaunchKernelEx(&c, k, p));
+  };
+  const unsigned long long reset[2] = {~0ull, 0ull};
+  // events and span medians of `iters` plain calls
+  auto measure = [&](const char* name, auto&& call, std::vector<Row>& rows, int iters = 200) {
+    for (int i = 0; i < 10; ++i) call(i);
+    CHECK(cudaStreamSynchronize(stream));
+    std::vector<double> ev, sp;
+    for (int i = 0; i < iters; ++i) {
+      CHECK(cudaMemcpyAsync(stamps, reset, sizeof reset, cudaMemcpyHostToDevice, stream));
+      CHECK(cudaStreamSynchronize(stream));
+      CHECK(cudaEventRecord(e0, stream));
+      call(i);
+      CHECK(cudaEventRecord(e1, stream));
+      CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      unsigned long long h[2];
+      CHECK(cudaMemcpy(h, stamps, sizeof h, cudaMemcpyDeviceToHost));
+      ev.push_back(ms * 1e3);
+      sp.push_back(h[1] > h[0] ? (h[1] - h[0]) * 1e-3 : 0.0);
+    }
+    std::sort(ev.begin(), ev.end());
+    std::sort(sp.begin(), sp.end());
+    rows.push_back({name, ev[ev.size() / 2], sp[sp.size() / 2]});
+  };
+  std::vector<Row> rows;
+  auto spin = [&](bool pdl, int trigger, bool dependent) {
+    return [=, &launch](int) {
+      Params p = base;
+      p.trigger = trigger;
+      launch(spin_kernel, p, pdl, grid, smem);
+      if (dependent) launch(dependent_kernel, p, true, 32, 0);
+    };
+  };
+  measure("spin 35 us, plain launch", spin(false, 0, false), rows);
+  measure("spin, PDL attribute", spin(true, 0, false), rows);
+  measure("spin, PDL attribute, trigger at start", spin(true, 1, false), rows);
+  measure("spin, PDL attribute, trigger at end", spin(true, 2, false), rows);
+  measure("spin, plain launch, trigger at end", spin(false, 2, false), rows);
+  measure("spin, PDL + trigger at end, + dependent", spin(true, 2, true), rows);
+  measure("spin, PDL, no trigger, + dependent", spin(true, 0, true), rows);
+  auto read = [&](bool pdl, int trigger) {
+    return [=, &launch, &bufs](int i) {
+      Params p = base;
+      p.trigger = trigger;
+      p.src = bufs[i % kBuffers];
+      launch(read_kernel, p, pdl, grid, smem);
+    };
+  };
+  measure("read 134 MB, plain launch", read(false, 0), rows);
+  measure("read 134 MB, PDL attribute", read(true, 0), rows);
+  measure("read 134 MB, PDL attribute, trigger at end", read(true, 2), rows);
+
+  // The read as graphs: one call a graph, and 16 calls a graph (a call's share).
+  auto graph_of = [&](int calls, int first) {
+    cudaGraph_t g;
+    cudaGraphExec_t exec;
+    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int c = 0; c < calls; ++c) read(false, 0)(first + c);
+    CHECK(cudaStreamEndCapture(stream, &g));
+    CHECK(cudaGraphInstantiate(&exec, g, 0));
+    CHECK(cudaGraphDestroy(g));
+    return exec;
+  };
+  std::vector<cudaGraphExec_t> ones;
+  for (int i = 0; i < kBuffers; ++i) ones.push_back(graph_of(1, i));
+  measure("read 134 MB, a graph of one call", [&](int i) { CHECK(cudaGraphLaunch(ones[i % kBuffers], stream)); }, rows);
+  cudaGraphExec_t many = graph_of(16, 0);
+  std::vector<Row> chain;
+  measure("read 134 MB, a graph of 16 calls (whole)", [&](int) { CHECK(cudaGraphLaunch(many, stream)); }, chain, 50);
+
+  std::printf("%-46s %10s %10s %10s\n", "call", "events us", "span us", "diff us");
+  for (const Row& r : rows) std::printf("%-46s %10.2f %10.2f %10.2f\n", r.name, r.events, r.span, r.events - r.span);
+  std::printf("%-46s %10.2f %10s %10s  (a call's share: %.2f us, %.3f TB/s)\n", chain[0].name, chain[0].events, "-",
+              "-", chain[0].events / 16, bytes / (chain[0].events / 16) * 1e-6);
+  for (const Row& r : rows)
+    if (r.name[0] == 'r')
+      std::printf("%-46s %.3f TB/s by events, %.3f TB/s over the span\n", r.name, bytes / r.events * 1e-6,
+                  bytes / r.span * 1e-6);
+  CHECK(cudaGetLastError());
+  std::printf("error: %s\n", cudaGetErrorString(cudaGetLastError()));
+  return 0;
+}
