@@ -4,8 +4,9 @@
 //   - a kernel that spins for a fixed time: launched plainly, with the programmatic-serialization attribute, and
 //     with griddepcontrol.launch_dependents at its start or its end, alone or followed by an empty dependent kernel
 //     (the decode kernel and the merge kernel);
-//   - a streaming read of the 1 x 32768 step's 134 MB of K/V (rotated over 4 buffers): plain, as a graph of one
-//     call, and a call's share of a graph of 16.
+//   - a streaming read of the 1 x 32768 step's 134 MB of K/V (rotated over 4 buffers) by 256 CTAs in four shapes
+//     (loads into registers; cp.async into shared memory as the decode kernel copies, 48 or 80 KB in flight a CTA):
+//     plain, with the attribute, as a graph of one call, and a call's share of a graph of 16.
 // Each row: the events' median, the kernel's median span (first CTA's start to the last CTA's end, by %globaltimer)
 // and their difference.
 // Build: nvcc -O2 -gencode=arch=compute_90a,code=sm_90a -o plain_call_probe bench/plain_call_probe.cu
@@ -15,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CHECK(x)                                                                          \
@@ -59,27 +61,54 @@ __global__ void __launch_bounds__(128) spin_kernel(const Params p) {
   stamp_end(p);
 }
 
-__global__ void __launch_bounds__(128) read_kernel(const Params p) {
+// Each CTA streams its contiguous chunk, kUnroll 16-byte loads a thread in flight.
+template <int kThreads, int kUnroll>
+__global__ void __launch_bounds__(kThreads) read_kernel(const Params p) {
   const unsigned long long t0 = now_ns();
   stamp_start(p, t0);
   const uint4* base = p.src + blockIdx.x * p.chunk;
   uint32_t acc = 0;
-  for (long long i = threadIdx.x; i < p.chunk; i += 128 * 8) {
-    uint4 v[8];
+  for (long long i = threadIdx.x; i < p.chunk; i += kThreads * kUnroll) {  // chunk: a multiple of kThreads x kUnroll
+    uint4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const long long j = i + u * 128;
-      if (j < p.chunk)
-        asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                     : "l"(base + j));
-      else
-        v[u] = make_uint4(0, 0, 0, 0);
-    }
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldg(base + i + u * kThreads);  // every load issues before any use
 #pragma unroll
-    for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    for (int u = 0; u < kUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
   if (p.trigger == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (acc == 0x12345678u) p.sink[blockIdx.x] = 1.f;
+  stamp_end(p);
+}
+
+// The same bytes through shared memory as the decode kernel streams them: cp.async 16-byte copies, kStages stages of
+// kThreads x 4 copies (16 KB at 256 threads), kStages - 1 in flight (96 KB an SM at two CTAs of 4 stages of 16 KB);
+// nothing computed.
+template <int kThreads, int kStages>
+__global__ void __launch_bounds__(kThreads) copy_kernel(const Params p) {
+  extern __shared__ __align__(16) uint4 stage_smem[];
+  const unsigned long long t0 = now_ns();
+  stamp_start(p, t0);
+  constexpr int kPer = 4, kStage = kThreads * kPer;  // uint4s a stage
+  const uint4* base = p.src + blockIdx.x * p.chunk;
+  const int stages = static_cast<int>(p.chunk / kStage);  // chunk: a multiple of kStage
+  auto issue = [&](int s) {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int e = k * kThreads + threadIdx.x;
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stage_smem + (s % kStages) * kStage + e));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(base + static_cast<long long>(s) * kStage + e));
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  for (int s = 0; s < kStages - 1; ++s) issue(s);
+  uint32_t acc = 0;
+  for (int s = 0; s < stages; ++s) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2));
+    __syncthreads();
+    acc ^= stage_smem[(s % kStages) * kStage + threadIdx.x].x;
+    if (s + kStages - 1 < stages) issue(s + kStages - 1);
+    else asm volatile("cp.async.commit_group;");
+  }
   if (acc == 0x12345678u) p.sink[blockIdx.x] = 1.f;
   stamp_end(p);
 }
@@ -99,7 +128,6 @@ int main() {
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int grid = 2 * sms, threads = 128, smem = 100 * 1024;
   CHECK(cudaFuncSetAttribute(spin_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CHECK(cudaFuncSetAttribute(read_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const long long bytes = 32768LL * 8 * 128 * 2 * 2;  // 1 x 32768, 8 KV heads, head_dim 128, K and V, bf16
   const int kBuffers = 4;
   std::vector<uint4*> bufs(kBuffers);
@@ -118,7 +146,9 @@ int main() {
   CHECK(cudaEventCreate(&e1));
 
   Params base{};
-  base.stamps = stamps, base.sink = sink, base.spin_ns = 35000, base.chunk = bytes / 16 / grid;
+  // The reads: 256 CTAs (the 1 x 32768 step's 8 KV heads x 32 pieces), 512 KB each.
+  const int read_grid = 256;
+  base.stamps = stamps, base.sink = sink, base.spin_ns = 35000, base.chunk = bytes / 16 / read_grid;
   auto launch = [&](void (*k)(Params), const Params& p, bool pdl, int g, int s) {
     cudaLaunchAttribute attr{};
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -168,43 +198,65 @@ int main() {
   measure("spin, plain launch, trigger at end", spin(false, 2, false), rows);
   measure("spin, PDL + trigger at end, + dependent", spin(true, 2, true), rows);
   measure("spin, PDL, no trigger, + dependent", spin(true, 0, true), rows);
-  auto read = [&](bool pdl, int trigger) {
+  struct ReadShape {
+    const char* name;
+    void (*kernel)(Params);
+    int threads, smem;
+  };
+  CHECK(cudaFuncSetAttribute(copy_kernel<256, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
+  CHECK(cudaFuncSetAttribute(copy_kernel<256, 6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+  const ReadShape shapes[] = {{"read 134 MB, 128 x 8 loads", read_kernel<128, 8>, 128, 0},
+                              {"read 134 MB, 512 x 8 loads", read_kernel<512, 8>, 512, 0},
+                              {"read 134 MB, cp.async 3 x 16 KB in flight", copy_kernel<256, 4>, 256, 64 * 1024},
+                              {"read 134 MB, cp.async 5 x 16 KB in flight", copy_kernel<256, 6>, 256, 96 * 1024}};
+  auto read = [&](const ReadShape& r, bool pdl) {
     return [=, &launch, &bufs](int i) {
       Params p = base;
-      p.trigger = trigger;
       p.src = bufs[i % kBuffers];
-      launch(read_kernel, p, pdl, grid, smem);
+      cudaLaunchAttribute attr{};
+      attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr.val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t c{};
+      c.gridDim = dim3(read_grid), c.blockDim = dim3(r.threads), c.dynamicSmemBytes = r.smem, c.stream = stream;
+      c.attrs = &attr, c.numAttrs = pdl ? 1 : 0;
+      CHECK(cudaLaunchKernelEx(&c, r.kernel, p));
     };
   };
-  measure("read 134 MB, plain launch", read(false, 0), rows);
-  measure("read 134 MB, PDL attribute", read(true, 0), rows);
-  measure("read 134 MB, PDL attribute, trigger at end", read(true, 2), rows);
-
-  // The read as graphs: one call a graph, and 16 calls a graph (a call's share).
-  auto graph_of = [&](int calls, int first) {
-    cudaGraph_t g;
-    cudaGraphExec_t exec;
-    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    for (int c = 0; c < calls; ++c) read(false, 0)(first + c);
-    CHECK(cudaStreamEndCapture(stream, &g));
-    CHECK(cudaGraphInstantiate(&exec, g, 0));
-    CHECK(cudaGraphDestroy(g));
-    return exec;
-  };
-  std::vector<cudaGraphExec_t> ones;
-  for (int i = 0; i < kBuffers; ++i) ones.push_back(graph_of(1, i));
-  measure("read 134 MB, a graph of one call", [&](int i) { CHECK(cudaGraphLaunch(ones[i % kBuffers], stream)); }, rows);
-  cudaGraphExec_t many = graph_of(16, 0);
   std::vector<Row> chain;
-  measure("read 134 MB, a graph of 16 calls (whole)", [&](int) { CHECK(cudaGraphLaunch(many, stream)); }, chain, 50);
+  std::vector<std::string> names;
+  names.reserve(16);
+  for (const ReadShape& r : shapes) {
+    measure(r.name, read(r, false), rows);
+    names.push_back(std::string(r.name) + ", PDL attribute");
+    measure(names.back().c_str(), read(r, true), rows);
+    // As graphs: one call a graph, and 16 calls a graph (a call's share).
+    auto graph_of = [&](int calls, int first) {
+      cudaGraph_t g;
+      cudaGraphExec_t exec;
+      CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      for (int c = 0; c < calls; ++c) read(r, false)(first + c);
+      CHECK(cudaStreamEndCapture(stream, &g));
+      CHECK(cudaGraphInstantiate(&exec, g, 0));
+      CHECK(cudaGraphDestroy(g));
+      return exec;
+    };
+    std::vector<cudaGraphExec_t> ones;
+    for (int i = 0; i < kBuffers; ++i) ones.push_back(graph_of(1, i));
+    names.push_back(std::string(r.name) + ", a graph of one call");
+    measure(names.back().c_str(), [&](int i) { CHECK(cudaGraphLaunch(ones[i % kBuffers], stream)); }, rows);
+    cudaGraphExec_t many = graph_of(16, 0);
+    names.push_back(std::string(r.name) + ", a graph of 16 calls");
+    measure(names.back().c_str(), [&](int) { CHECK(cudaGraphLaunch(many, stream)); }, chain, 50);
+  }
 
-  std::printf("%-46s %10s %10s %10s\n", "call", "events us", "span us", "diff us");
-  for (const Row& r : rows) std::printf("%-46s %10.2f %10.2f %10.2f\n", r.name, r.events, r.span, r.events - r.span);
-  std::printf("%-46s %10.2f %10s %10s  (a call's share: %.2f us, %.3f TB/s)\n", chain[0].name, chain[0].events, "-",
-              "-", chain[0].events / 16, bytes / (chain[0].events / 16) * 1e-6);
+  std::printf("%-52s %10s %10s %10s\n", "call", "events us", "span us", "diff us");
+  for (const Row& r : rows) std::printf("%-52s %10.2f %10.2f %10.2f\n", r.name, r.events, r.span, r.events - r.span);
+  for (const Row& r : chain)
+    std::printf("%-52s %10.2f: a call's share %.2f us, %.3f TB/s\n", r.name, r.events, r.events / 16,
+                bytes / (r.events / 16) * 1e-6);
   for (const Row& r : rows)
     if (r.name[0] == 'r')
-      std::printf("%-46s %.3f TB/s by events, %.3f TB/s over the span\n", r.name, bytes / r.events * 1e-6,
+      std::printf("%-52s %.3f TB/s by events, %.3f TB/s over the span\n", r.name, bytes / r.events * 1e-6,
                   bytes / r.span * 1e-6);
   CHECK(cudaGetLastError());
   std::printf("error: %s\n", cudaGetErrorString(cudaGetLastError()));

@@ -56,9 +56,7 @@ struct DecodeTraits {
   // two 100 KB CTAs per SM left every scheduler idle 64% of cycles). fp8 tiles are half the bytes: four stages
   // (kDefaultDecodeStagesFp8) fit the same shared memory and keep twice the tokens in flight.
   static constexpr int kStages = kStages_;
-  // Caps registers so that three CTAs fit where their shared memory does (two stages of 16-bit tiles, fp8 tiles); the
-  // deeper 16-bit pipeline's CTAs at head_dim 128 fit two to an SM (100 KB), and take the registers two leave them.
-  static constexpr int kMinBlocksPerSM = kHeadDim > 128 ? 1 : (kHeadDim == 128 && kStages >= 3 && !kFp8 ? 2 : 3);
+  static constexpr int kMinBlocksPerSM = kHeadDim <= 128 ? 3 : 1;  // caps registers so three CTAs fit
   static constexpr int kKVRowBytes = kHeadDim * KVStorage<KV>::kBytes;
   static constexpr int kTileBytes = kTileTokens * kKVRowBytes;  // one K (or V) stage
   static constexpr int kQBytes = 2 * kRows * kHeadDim;
@@ -389,8 +387,8 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   // item carries its request's context (WorkItem), so the page-table reads below are the CTA's second trip to
   // memory (they were its fourth: the PlanView, the item, the request arrays; 0.7-0.9 us each in the per-CTA
   // timelines of 1 x 32768).
-  // The plan's items and the page table are read under this L2 policy (AttentionParams::meta_evict_last): evict_last
-  // keeps their lines through the K/V stream, so the next step's first two trips find them in L2.
+  // The plan's items and the first tile's page ids are read under this L2 policy (AttentionParams::meta_evict_last):
+  // evict_last keeps their lines through the K/V stream, so the next step's first two trips find them in L2.
   const uint64_t meta_policy = l2_policy(p.meta_evict_last != 0);
   const int num_items = plan.num_items;
   for (int item_index = linear / p.num_kv_heads;; item_index += gridDim.x) {
@@ -410,17 +408,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     // The first tiles' page ids go out before the rows' KV bounds are worked out, for tiles from the item's first
     // token: the usual row attends the item's whole range, so the page-table trip runs under the row arithmetic
     // below instead of after it (1 x 32768 timelines: item at 0.8 us, rows' bounds at 1.6, tile 0 out at 2.9 and
-    // tile 1 at 4.0, each tile's copies behind a trip of its own). Where the rows start later (a window, causal
-    // rows of a longer query), the ids are fetched again. With three or more stages, tile 1's ids come in the same
-    // trip (`ahead`).
-    constexpr bool kAhead = Tr::kStages >= 3;
+    // tile 1 at 4.0). Where the rows start later (a window, causal rows of a longer query), the ids are fetched
+    // again.
     Loader loader(kv, page_list, kv_head, it.kv_begin, it.kv_end);
-    Loader ahead = loader;
-    const bool any_kv = it.kv_end > it.kv_begin;
-    if (any_kv) {
-      loader.fetch_pages(0, meta_policy);
-      if constexpr (kAhead) ahead.fetch_pages(1, meta_policy);
-    }
+    if (it.kv_end > it.kv_begin) loader.fetch_pages(0, meta_policy);
 
     ATTNFORGE_TL(if (tl_one) tl_pro[0] = cycles() - tl_t;)
     // Q rows -> shared (zeros past `rows`); committed with the first K/V tile (fp8: after the prologue below). Issued
@@ -455,15 +446,13 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
 
     ATTNFORGE_TL(if (tl_one) tl_pro[1] = cycles() - tl_t;)
     loader.retarget(range_lo, range_hi);
-    ahead.retarget(range_lo, range_hi);
-    if (range_lo != it.kv_begin && num_tiles > 0) {  // CTA-uniform: every warp reduced the same 16 rows
-      loader.fetch_pages(0, meta_policy);
-      if constexpr (kAhead) ahead.fetch_pages(1, meta_policy);
-    }
+    // CTA-uniform: every warp reduced the same 16 rows.
+    if (range_lo != it.kv_begin && num_tiles > 0) loader.fetch_pages(0, meta_policy);
     auto load_tile = [&](int t, int s) {
       loader.load(t, sK + s * Tr::kTileBytes, sV + s * Tr::kTileBytes);
     };
-    auto fetch_pages = [&](int t) { loader.fetch_pages(t, meta_policy); };
+    // Later tiles' ids come a tile ahead of their copies, off the critical path: plain loads.
+    auto fetch_pages = [&](int t) { loader.fetch_pages(t); };
 
     float o_acc[D / 8][4];
     for (int n = 0; n < D / 8; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
@@ -473,12 +462,8 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
 
     for (int s = 0; s < Tr::kStages - 1; ++s) {
       if (s < num_tiles) {
-        if (s == 1 && kAhead) {
-          ahead.load(1, sK + Tr::kTileBytes, sV + Tr::kTileBytes);
-        } else {
-          if (s > 0) fetch_pages(s);
-          load_tile(s, s);
-        }
+        if (s > 0) fetch_pages(s);  // tile 0's ids are in already
+        load_tile(s, s);
       }
       ATTNFORGE_TL(if (tl_one && s == 0) tl_pro[2] = cycles() - tl_t;)
       cp_async_commit();
