@@ -173,10 +173,6 @@ struct AttentionParams {
   // and no merge kernel runs. Null: the merge kernel combines the states.
   int32_t* merge_counters;
   int32_t programmatic_launch;  // AttentionOptions::programmatic_launch (host side: how the CUDA backend launches)
-  // CUDA decode: the plan's items and the page table are read with an L2 evict_last policy, so that the K/V stream of
-  // one step (read once, evict_normal) leaves them in L2 for the next. Set by the CUDA backend at launch
-  // (ATTNFORGE_DECODE_META_L2), never by the caller.
-  int32_t meta_evict_last;
   // CUDA, Hopper prefill kernel (ATTNFORGE_PREFILL_TMA): K/V tiles copied by the tensor memory accelerator through
   // these maps (backends/cuda/tma.h) in boxes of tma_box_slots tokens of a page (ragged KV: a tile's rows in one
   // box); 0: by cp.async. Set by the CUDA backend at launch, never by the caller.

@@ -219,19 +219,12 @@ class CudaBackend final : public Backend {
     }
     DeviceGuard guard(device_);
     const auto cuda_stream = static_cast<cudaStream_t>(stream);
-    AttentionParams decode_params;  // the launch's own settings (decode only; the prefill launchers set theirs)
-    const AttentionParams* launch = &p;
-    if (kind == PlanKind::kDecode) {
-      decode_params = p;
-      decode_params.meta_evict_last = cuda::decode_meta_evict_last() ? 1 : 0;
-      launch = &decode_params;
-    }
     if (jit::cuda_kernels() == jit::CudaKernels::kNvrtc)
-      jit_kernels().run(*launch, kind, cuda_stream);
+      jit_kernels().run(p, kind, cuda_stream);
     else if (kind == PlanKind::kPrefill)
       cuda::run_prefill(p, cuda_stream);
     else
-      cuda::run_decode(*launch, cuda_stream);
+      cuda::run_decode(p, cuda_stream);
   }
 
   // Custom variants compile through NVRTC whatever ATTNFORGE_KERNELS says (nvcc cannot know them).

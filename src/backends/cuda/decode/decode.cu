@@ -61,11 +61,6 @@ bool decode_programmatic_launch() {
   return allowed && compute_capability() >= 90;
 }
 
-bool decode_meta_evict_last() {
-  static const bool last = detail::env_choice("ATTNFORGE_DECODE_META_L2", {"last", "normal"}, "last") == "last";
-  return last;
-}
-
 int decode_small_batch_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype) {
   if (small_batch_decode_stages(head_dim, q_dtype, kv_dtype) != kSmallBatchDecodeStages) return 0;
   switch (head_dim) {  // fp16 Q: the same attributes

@@ -18,9 +18,6 @@ LaunchConfig decode_launch_config(const AttentionParams& p, int stages);
 // griddepcontrol.wait; Q, the page table, K/V and every option tensor are read after it, and nothing is written
 // before it.
 bool decode_programmatic_launch();
-// Whether the decode kernels read the plan's items and the page table under an L2 evict_last policy
-// (AttentionParams::meta_evict_last): ATTNFORGE_DECODE_META_L2 "last" (the default) or "normal".
-bool decode_meta_evict_last();
 
 // The nvcc-compiled kernels (the default tile configuration, default_decode_stages(kv_dtype)).
 int decode_ctas_per_sm(int head_dim, DType kv_dtype);

@@ -141,17 +141,6 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
   }
 }
 
-// A work item (seven aligned 8-byte words) read under an L2 policy (l2_policy).
-__device__ __forceinline__ void load_item(const WorkItem* src, uint64_t policy, WorkItem& it) {
-  static_assert(sizeof(WorkItem) % 8 == 0 && alignof(WorkItem) == 8, "whole aligned 8-byte words");
-  constexpr int kWords = sizeof(WorkItem) / 8;
-  int2 w[kWords];
-#pragma unroll
-  for (int i = 0; i < kWords; ++i) load_with_policy(reinterpret_cast<const int2*>(src) + i, policy, w[i]);
-#pragma unroll
-  for (int i = 0; i < kWords; ++i) reinterpret_cast<int2*>(&it)[i] = w[i];
-}
-
 // Counts this CTA's written state into its merge (AttentionParams::merge_counters); true in the CTA that arrives
 // last, which then merges. Release: the barrier orders every thread's partial-state writes before thread 0's
 // acq_rel atomic (cumulativity); acquire: the merging threads' reads come after that atomic and the second barrier.
@@ -387,13 +376,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   // item carries its request's context (WorkItem), so the page-table reads below are the CTA's second trip to
   // memory (they were its fourth: the PlanView, the item, the request arrays; 0.7-0.9 us each in the per-CTA
   // timelines of 1 x 32768).
-  // The plan's items and the first tile's page ids are read under this L2 policy (AttentionParams::meta_evict_last):
-  // evict_last keeps their lines through the K/V stream, so the next step's first two trips find them in L2.
-  const uint64_t meta_policy = l2_policy(p.meta_evict_last != 0);
   const int num_items = plan.num_items;
   for (int item_index = linear / p.num_kv_heads;; item_index += gridDim.x) {
     WorkItem it{};
-    if (item_index < p.item_capacity) load_item(p.items + item_index, meta_policy, it);
+    if (item_index < p.item_capacity) it = p.items[item_index];
     if (item_index >= num_items) break;
     using Loader = KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes>;
     ItemRows m;
@@ -405,13 +391,6 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     grid_dependency_wait();
     const int64_t page_list = Loader::page_list_of(kv, it);
     const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
-    // The first tiles' page ids go out before the rows' KV bounds are worked out, for tiles from the item's first
-    // token: the usual row attends the item's whole range, so the page-table trip runs under the row arithmetic
-    // below instead of after it (1 x 32768 timelines: item at 0.8 us, rows' bounds at 1.6, tile 0 out at 2.9 and
-    // tile 1 at 4.0). Where the rows start later (a window, causal rows of a longer query), the ids are fetched
-    // again.
-    Loader loader(kv, page_list, kv_head, it.kv_begin, it.kv_end);
-    if (it.kv_end > it.kv_begin) loader.fetch_pages(0, meta_policy);
 
     ATTNFORGE_TL(if (tl_one) tl_pro[0] = cycles() - tl_t;)
     // Q rows -> shared (zeros past `rows`); committed with the first K/V tile (fp8: after the prologue below). Issued
@@ -445,13 +424,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + Tr::kTileTokens - 1) / Tr::kTileTokens : 0;
 
     ATTNFORGE_TL(if (tl_one) tl_pro[1] = cycles() - tl_t;)
-    loader.retarget(range_lo, range_hi);
-    // CTA-uniform: every warp reduced the same 16 rows.
-    if (range_lo != it.kv_begin && num_tiles > 0) loader.fetch_pages(0, meta_policy);
+    Loader loader(kv, page_list, kv_head, range_lo, range_hi);
     auto load_tile = [&](int t, int s) {
       loader.load(t, sK + s * Tr::kTileBytes, sV + s * Tr::kTileBytes);
     };
-    // Later tiles' ids come a tile ahead of their copies, off the critical path: plain loads.
     auto fetch_pages = [&](int t) { loader.fetch_pages(t); };
 
     float o_acc[D / 8][4];
@@ -462,7 +438,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
 
     for (int s = 0; s < Tr::kStages - 1; ++s) {
       if (s < num_tiles) {
-        if (s > 0) fetch_pages(s);  // tile 0's ids are in already
+        fetch_pages(s);
         load_tile(s, s);
       }
       ATTNFORGE_TL(if (tl_one && s == 0) tl_pro[2] = cycles() - tl_t;)

@@ -22,25 +22,6 @@ __device__ __forceinline__ float load_cg(const float* p) {
   asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
   return v;
 }
-// An L2 eviction policy for the loads below (createpolicy; its value is opaque): evict_last keeps the lines through
-// a stream of evict_normal ones, such as the K/V that a decode step reads once; evict_normal is a plain load's.
-__device__ __forceinline__ uint64_t l2_policy(bool evict_last) {
-  uint64_t policy;
-  if (evict_last)
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-  else
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-// 4- and 8-byte global loads under an L2 policy (l2_policy).
-__device__ __forceinline__ int32_t load_with_policy(const int32_t* p, uint64_t policy) {
-  int32_t v;
-  asm volatile("ld.global.L2::cache_hint.b32 %0, [%1], %2;\n" : "=r"(v) : "l"(p), "l"(policy));
-  return v;
-}
-__device__ __forceinline__ void load_with_policy(const int2* p, uint64_t policy, int2& v) {
-  asm volatile("ld.global.L2::cache_hint.v2.b32 {%0, %1}, [%2], %3;\n" : "=r"(v.x), "=r"(v.y) : "l"(p), "l"(policy));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

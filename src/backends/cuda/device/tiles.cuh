@@ -296,23 +296,6 @@ struct KVTileLoader {
     return kv.format == KVFormat::kRagged ? 0 : (page_pow2 ? token & (kv.page_size - 1) : token % kv.page_size);
   }
 
-  // The same page id read under an L2 policy (l2_policy).
-  __device__ __forceinline__ int32_t page_of(int token, uint64_t policy) const {
-    const int index = page_pow2 ? token >> page_shift : token / kv.page_size;
-    return kv.format == KVFormat::kRagged ? static_cast<int32_t>(page_list + token)
-                                          : load_with_policy(kv.page_ids + page_list + index, policy);
-  }
-  // Points the loader at tokens [first_, last_) of the same request and KV head: fetched page ids stay valid for the
-  // tiles that start where they did.
-  __device__ __forceinline__ void retarget(int first_, int last_) { first = first_, last = last_; }
-
-  // fetch_pages under an L2 policy (register-held page ids only: the decode kernel keeps its page table's lines
-  // through the step's K/V stream).
-  __device__ __forceinline__ void fetch_pages(int t, uint64_t policy) {
-    static_assert(kPageSlots == 0, "register-held page ids");
-    #pragma unroll
-    for (int k = 0; k < kLoadRows; ++k) pages[k] = page_of(min(first + t * kTileTokens + row(k), last - 1), policy);
-  }
   __device__ __forceinline__ void fetch_pages(int t) {
     if constexpr (kPageSlots > 0) {
       for (int i = threadIdx.x; i < kTileTokens; i += kThreads)
