@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(const Params p) {
     for (int k = 0; k < kPer; ++k) {
       const int e = k * kThreads + threadIdx.x;
       const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stage_smem + (s % kStages) * kStage + e));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(base + static_cast<long long>(s) * kStage + e));
+      const uint4* src = base + static_cast<long long>(s) * kStage + e;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
     }
     asm volatile("cp.async.commit_group;");
   };

@@ -291,13 +291,14 @@ struct KVTileLoader {
     const int index = page_pow2 ? token >> page_shift : token / kv.page_size;
     return kv.format == KVFormat::kRagged ? static_cast<int32_t>(page_list + token) : kv.page_ids[page_list + index];
   }
-  // Prefetches into L1 the page-table lines of tile 0 of tokens [first_, last_) of a paged request (threads 0, 1 and 2:
-  // its first, middle and last token's ids, which cover every line of the tile at page sizes from 1 up), before the
-  // loader is made: fetch_pages(0) then finds them in L1. No registers stay live.
+  // Prefetches into L1 the page-table lines of tile 0 of tokens [first_, last_) of a paged request (threads 0, 1 and
+  // 2: its first, middle and last token's ids, which cover every line of the tile at page sizes from 1 up), before
+  // the loader is made: fetch_pages(0) then finds them in L1. No registers stay live.
   static __device__ __forceinline__ void prefetch_first_pages(const KVParams& kv, int64_t page_list, int first_,
                                                               int last_) {
     if (kv.format == KVFormat::kRagged || threadIdx.x >= 3 || last_ <= first_) return;
-    const int token = min(first_ + static_cast<int>(threadIdx.x) * (kTileTokens / 2), min(first_ + kTileTokens, last_) - 1);
+    const int token =
+        min(first_ + static_cast<int>(threadIdx.x) * (kTileTokens / 2), min(first_ + kTileTokens, last_) - 1);
     prefetch_l1(kv.page_ids + page_list + token / kv.page_size);
   }
   // The token's slot in its page (ragged: 0, page_of gives its packed row).
