@@ -150,12 +150,12 @@ int main() {
   // The reads: 256 CTAs (the 1 x 32768 step's 8 KV heads x 32 pieces), 512 KB each.
   const int read_grid = 256;
   base.stamps = stamps, base.sink = sink, base.spin_ns = 35000, base.chunk = bytes / 16 / read_grid;
-  auto launch = [&](void (*k)(Params), const Params& p, bool pdl, int g, int s) {
+  auto launch = [&](void (*k)(Params), const Params& p, bool pdl, int g, int s, int block) {
     cudaLaunchAttribute attr{};
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t c{};
-    c.gridDim = dim3(g), c.blockDim = dim3(threads), c.dynamicSmemBytes = s, c.stream = stream;
+    c.gridDim = dim3(g), c.blockDim = dim3(block), c.dynamicSmemBytes = s, c.stream = stream;
     c.attrs = &attr, c.numAttrs = pdl ? 1 : 0;
     CHECK(cudaLaunchKernelEx(&c, k, p));
   };
@@ -188,8 +188,8 @@ int main() {
     return [=, &launch](int) {
       Params p = base;
       p.trigger = trigger;
-      launch(spin_kernel, p, pdl, grid, smem);
-      if (dependent) launch(dependent_kernel, p, true, 32, 0);
+      launch(spin_kernel, p, pdl, grid, smem, threads);
+      if (dependent) launch(dependent_kernel, p, true, 32, 0, threads);
     };
   };
   measure("spin 35 us, plain launch", spin(false, 0, false), rows);
@@ -214,13 +214,7 @@ int main() {
     return [=, &launch, &bufs](int i) {
       Params p = base;
       p.src = bufs[i % kBuffers];
-      cudaLaunchAttribute attr{};
-      attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr.val.programmaticStreamSerializationAllowed = 1;
-      cudaLaunchConfig_t c{};
-      c.gridDim = dim3(read_grid), c.blockDim = dim3(r.threads), c.dynamicSmemBytes = r.smem, c.stream = stream;
-      c.attrs = &attr, c.numAttrs = pdl ? 1 : 0;
-      CHECK(cudaLaunchKernelEx(&c, r.kernel, p));
+      launch(r.kernel, p, pdl, read_grid, r.smem, r.threads);
     };
   };
   std::vector<Row> chain;
