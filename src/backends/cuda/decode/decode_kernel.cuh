@@ -127,7 +127,10 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
     if (!to_partial) {
       f *= apply_sink(p.variant, q.head, &lse);
       const int64_t out = (qo_start + q.tok) * p.o_stride_token + q.head * p.o_stride_head + d;
-      store_quad(p.o, p.o_dtype, out, float4{o.x * f, o.y * f, o.z * f, o.w * f});
+      store_element(p.o, p.o_dtype, out, o.x * f);
+      store_element(p.o, p.o_dtype, out + 1, o.y * f);
+      store_element(p.o, p.o_dtype, out + 2, o.z * f);
+      store_element(p.o, p.o_dtype, out + 3, o.w * f);
       if (p.lse && d == 0) p.lse[(qo_start + q.tok) * p.lse_stride_token + q.head] = lse;
     } else {
       const int64_t prow = static_cast<int64_t>(it.partial_row) + (q.tok - it.qo_begin);
@@ -169,16 +172,10 @@ __device__ __forceinline__ bool arrive_at_merge(const AttentionParams& p, const 
 // them (finish_row). More states than one pass holds (a skewed batch's longest request, where the planner allows
 // several passes: decode_merges_in_kernel) first run over the LSEs alone for m and l, then pass by pass over LSEs
 // and O.
-// The code is kept compact: it runs once per merge, in one CTA, after the K/V stream has evicted it from the L2, so
-// its instructions are fetched from DRAM as it goes. Row indices are divided by the group once per thread (a
-// thread's LSE row and its pairs' rows stay fixed), the two phases share one loop (one copy of the row pass), and
-// loops of run-time trip counts are not unrolled.
 template <class Tr>
 __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const WorkItem& it, uint8_t* smem, int row0,
                                                  int rows, int group, int kv_head, int qo_start) {
   constexpr int D = Tr::kHeadDim, kQuads = D / 4, kPairs = (Tr::kRows * kQuads + Tr::kThreads - 1) / Tr::kThreads;
-  constexpr int kLseSteps = Tr::kThreads / Tr::kRows;  // states whose LSEs one sweep of the threads loads
-  static_assert(Tr::kThreads % Tr::kRows == 0, "a thread's LSE row stays fixed");
   __shared__ float s_m[Tr::kRows], s_l[Tr::kRows];
   const int states = it.merge_states, heads = p.num_qo_heads, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row_floats = rows * D;
@@ -187,61 +184,35 @@ __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const
   // States a pass holds: their O rows and, after them, their LSEs (rounded to 16 bytes).
   const int pass = (Tr::kSmemBytes / static_cast<int>(sizeof(float)) - row_floats - 4) / (row_floats + rows);
   float* const s_lse = s_o + ((min(pass, states) * row_floats + 3) & ~3);  // [pass][rows]
-  // Partial rows: state k of row r is row merge_row0 + k x nq + (row0 + r) / group (WorkItem), so one state's slices
-  // are nq x heads (x D) floats past the state before it.
-  const int64_t nq = it.qo_end - it.qo_begin, state_step = nq * heads;
-  auto partial_index = [&](int r) {  // (row, head) index of row r's state 0 in the partial buffers
-    const int rr = row0 + r;
-    return (static_cast<int64_t>(it.merge_row0) + rr / group) * heads + kv_head * group + rr % group;
-  };
-  const int lse_row = threadIdx.x % Tr::kRows, lse_k = threadIdx.x / Tr::kRows;
-  const float* const lse_src = p.partial_lse + partial_index(min(lse_row, rows - 1));
+  // Partial rows: state k of row r is row merge_row0 + k x nq + (row0 + r) / group (WorkItem), so one state's O
+  // slice is nq x heads x D floats past the state before it.
+  const int64_t nq = it.qo_end - it.qo_begin;
+  auto first_row = [&](int r) { return static_cast<int64_t>(it.merge_row0) + (row0 + r) / group; };
+  auto head_of = [&](int r) { return kv_head * group + (row0 + r) % group; };
   const bool one_pass = states <= pass;
-  const int passes = (states + pass - 1) / pass;
-  // Steps [0, passes): the rows' m and l over every state's LSE (several passes only); steps [passes, 2 passes): a
-  // pass's weights and O.
-#pragma unroll 1
-  for (int step = one_pass ? passes : 0; step < 2 * passes; ++step) {
-    const bool sums = step >= passes;
-    const int k0 = (sums ? step - passes : step) * pass, n = min(pass, states - k0);
-    if (sums) {
-#pragma unroll
-      for (int j = 0; j < kPairs; ++j) {
-        const int i = threadIdx.x + j * Tr::kThreads;
-        if (i >= row_floats / 4) continue;
-        const float* src = p.partial_o + (partial_index(i / kQuads) + k0 * state_step) * D + 4 * (i % kQuads);
-        float* dst = s_o + 4 * i;
-#pragma unroll 1
-        for (int k = 0; k < n; ++k, src += state_step * D, dst += row_floats) cp_async_16(dst, src, 16);
-      }
-      cp_async_commit();
+  // LSEs of states [k0, k0 + n) into s_lse[k - k0][r].
+  auto load_lses = [&](int k0, int n) {
+    for (int c = threadIdx.x; c < n * rows; c += Tr::kThreads) {
+      const int k = c / rows, r = c - k * rows;
+      s_lse[c] = load_cg(p.partial_lse + (first_row(r) + (k0 + k) * nq) * heads + head_of(r));
     }
-    if (lse_row < rows) {
-#pragma unroll 1
-      for (int k = lse_k; k < n; k += kLseSteps) s_lse[k * rows + lse_row] = load_cg(lse_src + (k0 + k) * state_step);
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // the LSEs are in; every thread's own O copies have landed
-    // A warp per row over the pass's LSEs: with `fresh` the row's (m, l) from these states alone, else folded into
-    // the running (m, l); in the sums, each LSE replaced by its weight against the row's final m.
-    const bool fresh = sums ? one_pass : k0 == 0;
-#pragma unroll 1
+  };
+  // A warp per row over the states in s_lse: with `fresh`, the row's (m, l) from these states alone, else folded
+  // into the running (m, l); with `weights`, each LSE replaced by its weight against the row's final m.
+  auto row_pass = [&](int n, bool fresh, bool weights) {
     for (int r = warp; r < rows; r += Tr::kWarps) {
       float m = -ATTNFORGE_INFINITY;
-#pragma unroll 1
       for (int k = lane; k < n; k += 32) m = fmaxf(m, s_lse[k * rows + r]);
       for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       const float m_old = fresh ? -ATTNFORGE_INFINITY : s_m[r];
-      if (!sums || fresh) {
+      if (!weights || fresh) {
         const float m_new = fmaxf(m, m_old);
         float l = 0.f;
-        if (m_new != -ATTNFORGE_INFINITY) {
-#pragma unroll 1
+        if (m_new != -ATTNFORGE_INFINITY)
           for (int k = lane; k < n; k += 32) {
             const float lse = s_lse[k * rows + r];
             l += lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m_new);
           }
-        }
         for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
         __syncwarp();  // every lane has read s_m[r] and s_l[r] before lane 0 writes them
         if (lane == 0) {
@@ -252,35 +223,56 @@ __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const
       } else {
         m = m_old;
       }
-      if (sums) {
-#pragma unroll 1
+      if (weights)
         for (int k = lane; k < n; k += 32) {
           const float lse = s_lse[k * rows + r];
           s_lse[k * rows + r] = lse == -ATTNFORGE_INFINITY || m == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);
         }
-      }
     }
-    __syncthreads();  // the weights (or the rows' m and l) are in
-    if (sums) {
-#pragma unroll
-      for (int j = 0; j < kPairs; ++j) {
-        const int i = threadIdx.x + j * Tr::kThreads;
-        if (i >= row_floats / 4) continue;
-        const int r = i / kQuads;
-        float4 acc = k0 == 0 ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(s_acc + 4 * i);
-        const float* o = s_o + 4 * i;
-#pragma unroll 4
-        for (int k = 0; k < n; ++k) {
-          const float w = s_lse[k * rows + r];
-          const float4 x = *reinterpret_cast<const float4*>(o + k * row_floats);
-          acc.x += w * x.x, acc.y += w * x.y, acc.z += w * x.z, acc.w += w * x.w;
-        }
-        *reinterpret_cast<float4*>(s_acc + 4 * i) = acc;
-      }
-      __syncthreads();  // the next pass overwrites the LSEs and O
+  };
+  if (!one_pass) {  // the rows' m and l over every state first
+    for (int k0 = 0; k0 < states; k0 += pass) {
+      load_lses(k0, min(pass, states - k0));
+      __syncthreads();
+      row_pass(min(pass, states - k0), k0 == 0, false);
+      __syncthreads();
     }
   }
-#pragma unroll
+  for (int k0 = 0; k0 < states; k0 += pass) {
+    const int n = min(pass, states - k0);
+#pragma unroll 1
+    for (int j = 0; j < kPairs; ++j) {
+      const int i = threadIdx.x + j * Tr::kThreads;
+      if (i >= row_floats / 4) continue;
+      const int r = i / kQuads;
+      const float* src = p.partial_o + ((first_row(r) + k0 * nq) * heads + head_of(r)) * D + 4 * (i % kQuads);
+      float* dst = s_o + 4 * i;
+      for (int k = 0; k < n; ++k, src += nq * heads * D, dst += row_floats) cp_async_16(dst, src, 16);
+    }
+    cp_async_commit();
+    load_lses(k0, n);
+    cp_async_wait<0>();
+    __syncthreads();  // the LSEs are in; every thread's own O copies have landed
+    row_pass(n, one_pass, true);
+    __syncthreads();  // the weights are in
+#pragma unroll 1
+    for (int j = 0; j < kPairs; ++j) {
+      const int i = threadIdx.x + j * Tr::kThreads;
+      if (i >= row_floats / 4) continue;
+      const int r = i / kQuads;
+      float4 acc = k0 == 0 ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(s_acc + 4 * i);
+      const float* o = s_o + 4 * i;
+#pragma unroll 8
+      for (int k = 0; k < n; ++k) {
+        const float w = s_lse[k * rows + r];
+        const float4 x = *reinterpret_cast<const float4*>(o + k * row_floats);
+        acc.x += w * x.x, acc.y += w * x.y, acc.z += w * x.z, acc.w += w * x.w;
+      }
+      *reinterpret_cast<float4*>(s_acc + 4 * i) = acc;
+    }
+    __syncthreads();  // the next pass overwrites the LSEs
+  }
+#pragma unroll 1
   for (int j = 0; j < kPairs; ++j) {
     const int i = threadIdx.x + j * Tr::kThreads;
     if (i >= row_floats / 4) continue;
@@ -291,7 +283,10 @@ __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const
     const float f = (l > 0.f ? 1.f / l : 0.f) * apply_sink(p.variant, qr.head, &lse);
     const float4 acc = *reinterpret_cast<const float4*>(s_acc + 4 * i);
     const int64_t out = (qo_start + qr.tok) * p.o_stride_token + qr.head * p.o_stride_head + 4 * q;
-    store_quad(p.o, p.o_dtype, out, float4{acc.x * f, acc.y * f, acc.z * f, acc.w * f});
+    store_element(p.o, p.o_dtype, out, acc.x * f);
+    store_element(p.o, p.o_dtype, out + 1, acc.y * f);
+    store_element(p.o, p.o_dtype, out + 2, acc.z * f);
+    store_element(p.o, p.o_dtype, out + 3, acc.w * f);
     if (p.lse && q == 0) p.lse[(qo_start + qr.tok) * p.lse_stride_token + qr.head] = lse;
   }
 }

@@ -127,21 +127,6 @@ __device__ __forceinline__ void store_element(void* base, DType type, int64_t of
     static_cast<uint16_t*>(base)[offset] = float_to_f16(v);
 }
 
-// Four consecutive elements from offset on, the type tested once (no alignment is assumed: O may be any view).
-__device__ __forceinline__ void store_quad(void* base, DType type, int64_t offset, float4 v) {
-  if (type == DType::kFloat32) {
-    float* o = static_cast<float*>(base) + offset;
-    o[0] = v.x, o[1] = v.y, o[2] = v.z, o[3] = v.w;
-  } else {
-    uint16_t* o = static_cast<uint16_t*>(base) + offset;
-    const bool bf16 = type == DType::kBFloat16;
-    o[0] = bf16 ? float_to_bf16(v.x) : float_to_f16(v.x);
-    o[1] = bf16 ? float_to_bf16(v.y) : float_to_f16(v.y);
-    o[2] = bf16 ? float_to_bf16(v.z) : float_to_f16(v.z);
-    o[3] = bf16 ? float_to_bf16(v.w) : float_to_f16(v.w);
-  }
-}
-
 // 2^x on the special-function unit, subnormal results flushed to zero: one instruction, where exp2f adds the
 // range fix-ups for subnormals (four per element, a quarter of the prefill kernel's softmax). 2^-inf = 0.
 __device__ __forceinline__ float fast_exp2(float x) {
