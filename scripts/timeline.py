@@ -35,7 +35,7 @@ def read_steps(path):
             else:
                 steps.append((cur, pending_merge))
                 pending_merge = None
-        elif w[0] == "timeline" and cur is not None and len(w) in (15, 19):  # 12 fields, or 16 since session 16
+        elif w[0] == "timeline" and cur is not None and len(w) in (15, 19, 24):  # 12, 16 (session 16), 21 fields
             cur.append([int(x) for x in w[3:]])
     return steps
 
@@ -73,6 +73,17 @@ def describe(decode, merge):
     waiting = [sum(1 for r in decode if r[0] - t0 <= e and (r[9] == 0 or e < r[9] - t0)) for e in edges]
     out.append("  running/first-tile-pending every 2 us: " +
                " ".join(f"{a}/{b}" for a, b in zip(running, waiting)))
+    # The kernel merge's CTAs (21 fields: global times from their rows written, field 15, to each step of the merge).
+    mergers = [r for r in decode if len(r) >= 21 and r[16]]
+    if mergers:
+        others = [r[1] for r in decode if not (len(r) >= 21 and r[16]) and r[10] & 0xFFFFFFFF]
+        out.append(f"  kernel merge: {len(mergers)} merging CTAs; each step after the one before: counted "
+                   f"{fmt([r[16] - r[15] for r in mergers])}, states landed {fmt([r[17] - r[16] for r in mergers])}, "
+                   f"weights {fmt([r[18] - r[17] for r in mergers])}, sums {fmt([r[19] - r[18] for r in mergers])}, "
+                   f"rows written {fmt([r[20] - r[19] for r in mergers])}, CTA end {fmt([r[1] - r[20] for r in mergers])} us")
+        if others:
+            out.append(f"    counted after the last other CTA's end: {fmt([r[16] - max(others) for r in mergers])} us; "
+                       f"rows written to count, the other CTAs: {fmt([r[1] - r[15] for r in decode if r[15] and not r[16]])} us to their end")
     if merge:
         out.append(f"  merge: {len(merge)} CTAs, start {fmt([r[0] - t0 for r in merge])} us, past the wait "
                    f"{fmt([r[2] - t0 for r in merge if r[2]])} us, end {fmt([r[1] - t0 for r in merge])} us; "

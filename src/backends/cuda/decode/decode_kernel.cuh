@@ -174,7 +174,11 @@ __device__ __forceinline__ bool arrive_at_merge(const AttentionParams& p, const 
 // and O.
 template <class Tr>
 __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const WorkItem& it, uint8_t* smem, int row0,
-                                                 int rows, int group, int kv_head, int qo_start) {
+                                                 int rows, int group, int kv_head,
+                                                 int qo_start ATTNFORGE_TL(, long long* tl_merge)) {
+  // Trace builds: the global times this CTA learned it merges, its states landed, the weights were made, the sums
+  // were done (the last pass's), and the rows were written.
+  ATTNFORGE_TL(if (threadIdx.x == 0) tl_merge[0] = global_ns();)
   constexpr int D = Tr::kHeadDim, kQuads = D / 4, kPairs = (Tr::kRows * kQuads + Tr::kThreads - 1) / Tr::kThreads;
   __shared__ float s_m[Tr::kRows], s_l[Tr::kRows];
   const int states = it.merge_states, heads = p.num_qo_heads, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -253,8 +257,10 @@ __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const
     load_lses(k0, n);
     cp_async_wait<0>();
     __syncthreads();  // the LSEs are in; every thread's own O copies have landed
+    ATTNFORGE_TL(if (threadIdx.x == 0) tl_merge[1] = global_ns();)
     row_pass(n, one_pass, true);
     __syncthreads();  // the weights are in
+    ATTNFORGE_TL(if (threadIdx.x == 0) tl_merge[2] = global_ns();)
 #pragma unroll 1
     for (int j = 0; j < kPairs; ++j) {
       const int i = threadIdx.x + j * Tr::kThreads;
@@ -271,6 +277,7 @@ __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const
       *reinterpret_cast<float4*>(s_acc + 4 * i) = acc;
     }
     __syncthreads();  // the next pass overwrites the LSEs
+    ATTNFORGE_TL(if (threadIdx.x == 0) tl_merge[3] = global_ns();)
   }
 #pragma unroll 1
   for (int j = 0; j < kPairs; ++j) {
@@ -289,6 +296,7 @@ __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const
     store_element(p.o, p.o_dtype, out + 3, acc.w * f);
     if (p.lse && q == 0) p.lse[(qo_start + qr.tok) * p.lse_stride_token + qr.head] = lse;
   }
+  ATTNFORGE_TL(if (threadIdx.x == 0) tl_merge[4] = global_ns();)
 }
 
 // finish_rows for a custom variant (never split: run_variant refuses plans with merges): one thread per row, so
@@ -369,6 +377,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   // summed over the CTA's items; the global time tile 0 landed.
   ATTNFORGE_TL(const long long tl_start = global_ns(); long long tl_t = cycles(), tl_ph[7] = {0, 0, 0, 0, 0, 0, 0};
                long long tl_first = 0, tl_tiles = 0, tl_pro[4] = {0, 0, 0, 0}; bool tl_one = true;
+               long long tl_merge[6] = {0, 0, 0, 0, 0, 0};
                auto tl_lap = [&](int i) { const long long n = cycles(); tl_ph[i] += n - tl_t; tl_t = n; };)
 
   // The item count and the first item go out together: the item's place comes from the launch parameters (items,
@@ -695,8 +704,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     } else {
       finish_rows<Tr>(p, it, ms, row0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
       // Merges in this kernel (AttentionParams::merge_counters): the last of a merge's CTAs combines its states.
+      ATTNFORGE_TL(tl_merge[5] = global_ns();)
       if (p.merge_counters != nullptr && it.merge >= 0 && arrive_at_merge<Tr>(p, it, kv_head))
-        merge_split_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), row0, rows, group, kv_head, qo_start);
+        merge_split_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), row0, rows, group, kv_head,
+                             qo_start ATTNFORGE_TL(, tl_merge));
     }
     ATTNFORGE_TL(tl_lap(5);)
 
@@ -708,6 +719,8 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     for (int i = 0; i < 7; ++i) f[2 + i] = tl_ph[i];
     f[9] = tl_first, f[10] = (sm_id() << 32) | tl_tiles;
     for (int i = 0; i < 4; ++i) f[11 + i] = tl_pro[i];
+    f[15] = tl_merge[5];  // the rows (or partial rows) written, before the merge's count
+    for (int i = 0; i < 5; ++i) f[16 + i] = tl_merge[i];
   })
 }
 
