@@ -35,7 +35,7 @@ def read_steps(path):
             else:
                 steps.append((cur, pending_merge))
                 pending_merge = None
-        elif w[0] == "timeline" and cur is not None and len(w) in (15, 19, 24, 29):  # 12, 16 (session 16), 21 or 26 fields
+        elif w[0] == "timeline" and cur is not None and len(w) in (15, 19, 24, 29):  # 12, 16 (session 16), 21, or 26 (cb58ce3) fields
             cur.append([int(x) for x in w[3:]])
     return steps
 
@@ -81,7 +81,7 @@ def describe(decode, merge):
                    f"{fmt([r[16] - r[15] for r in mergers])}, states landed {fmt([r[17] - r[16] for r in mergers])}, "
                    f"weights {fmt([r[18] - r[17] for r in mergers])}, sums {fmt([r[19] - r[18] for r in mergers])}, "
                    f"rows written {fmt([r[20] - r[19] for r in mergers])}, CTA end {fmt([r[1] - r[20] for r in mergers])} us")
-        again = [r for r in mergers if len(r) >= 26 and r[21]]  # the trace build's second run of the same merge
+        again = [r for r in mergers if len(r) >= 26 and r[21]]  # cb58ce3's trace build ran each merge twice
         if again:
             out.append(f"    the same merge run again: counted->landed {fmt([r[22] - r[21] for r in again])}, weights "
                        f"{fmt([r[23] - r[22] for r in again])}, sums {fmt([r[24] - r[23] for r in again])}, rows written "

@@ -377,7 +377,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   // summed over the CTA's items; the global time tile 0 landed.
   ATTNFORGE_TL(const long long tl_start = global_ns(); long long tl_t = cycles(), tl_ph[7] = {0, 0, 0, 0, 0, 0, 0};
                long long tl_first = 0, tl_tiles = 0, tl_pro[4] = {0, 0, 0, 0}; bool tl_one = true;
-               long long tl_merge[11] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+               long long tl_merge[6] = {0, 0, 0, 0, 0, 0};
                auto tl_lap = [&](int i) { const long long n = cycles(); tl_ph[i] += n - tl_t; tl_t = n; };)
 
   // The item count and the first item go out together: the item's place comes from the launch parameters (items,
@@ -705,14 +705,9 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
       finish_rows<Tr>(p, it, ms, row0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
       // Merges in this kernel (AttentionParams::merge_counters): the last of a merge's CTAs combines its states.
       ATTNFORGE_TL(tl_merge[5] = global_ns();)
-      if (p.merge_counters != nullptr && it.merge >= 0 && arrive_at_merge<Tr>(p, it, kv_head)) {
+      if (p.merge_counters != nullptr && it.merge >= 0 && arrive_at_merge<Tr>(p, it, kv_head))
         merge_split_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), row0, rows, group, kv_head,
                              qo_start ATTNFORGE_TL(, tl_merge));
-        // Trace builds: the same merge again (the same bits to the same place), its code now in this SM's
-        // instruction caches and its states in L1 or L2: what the first one spent on fetching code and data.
-        ATTNFORGE_TL(__syncthreads(); merge_split_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), row0, rows, group,
-                                                            kv_head, qo_start, tl_merge + 6);)
-      }
     }
     ATTNFORGE_TL(tl_lap(5);)
 
@@ -725,7 +720,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     f[9] = tl_first, f[10] = (sm_id() << 32) | tl_tiles;
     for (int i = 0; i < 4; ++i) f[11 + i] = tl_pro[i];
     f[15] = tl_merge[5];  // the rows (or partial rows) written, before the merge's count
-    for (int i = 0; i < 5; ++i) f[16 + i] = tl_merge[i], f[21 + i] = tl_merge[6 + i];
+    for (int i = 0; i < 5; ++i) f[16 + i] = tl_merge[i];
   })
 }
 

@@ -15,8 +15,8 @@
 
 namespace attnforge::cuda {
 
-constexpr int kTimelineSlots = 4096, kTimelineFields = 26;
-// Fields: 0 global ns at the start, 1 global ns at the end, 2..9 and 11..25 what the kernel says (clock cycles of
+constexpr int kTimelineSlots = 4096, kTimelineFields = 21;
+// Fields: 0 global ns at the start, 1 global ns at the end, 2..9 and 11..20 what the kernel says (clock cycles of
 // its phases, or global times), 10 (SM << 32) | count (items or tiles).
 static __device__ long long timeline[kTimelineSlots][kTimelineFields];
 
