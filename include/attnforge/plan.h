@@ -89,6 +89,10 @@ struct AttentionPlan {
   // deterministic plans, and batch shapes whose merges could hold more states than one CTA combines quickly).
   // Set from the batch size and shape alone, so every re-plan of a batch size agrees.
   int64_t merge_counters = 0;
+  // Decode on a device that streams merges (CUDA, ATTNFORGE_DECODE_KERNEL_MERGE=stream): the flags in the workspace,
+  // one for each (KV head, block of the decode kernel's CTA rows, item) at capacity; the merge kernel runs beside the
+  // decode kernel and folds each merge's states as their flags appear. Set from the batch size and shape alone.
+  int64_t merge_flags = 0;
   int32_t kv_chunk = 0;       // the longest KV piece of a split item (at least the planned chunk); 0: not split
   std::vector<int32_t> qo_indptr;  // [batch + 1]
   std::vector<int32_t> kv_len;     // [batch]

@@ -113,7 +113,8 @@ PlanLayout plan_layout(const AttentionPlan& plan) {
   l.items = l.kv_len + align256(batch * sizeof(int32_t));
   l.merges = l.items + align256(plan.item_capacity * sizeof(WorkItem));
   l.merge_counters = l.merges + align256(plan.merge_capacity * sizeof(MergeItem));
-  l.end = l.merge_counters + align256(plan.merge_counters * sizeof(int32_t));
+  l.merge_flags = l.merge_counters + align256(plan.merge_counters * sizeof(int32_t));
+  l.end = l.merge_flags + align256(plan.merge_flags * sizeof(int32_t));
   return l;
 }
 

@@ -28,7 +28,7 @@ size_t partial_state_bytes(int64_t rows, const AttentionShape& s);
 // through their launch parameters, which a captured graph keeps, and the rest through the PlanView, which each
 // upload rewrites.
 struct PlanLayout {
-  size_t schedule, qo_indptr, kv_len, items, merges, merge_counters, end;
+  size_t schedule, qo_indptr, kv_len, items, merges, merge_counters, merge_flags, end;
 };
 PlanLayout plan_layout(const AttentionPlan& plan);
 

@@ -135,7 +135,7 @@ KernelSource KernelKey::render() const {
   const std::string kernel =
       custom ? fmt::format("attnforge::cuda::{}_variant_kernel<{}, {}>", to_string(family), traits, variant)
              : fmt::format("attnforge::cuda::{}_kernel<{}>", to_string(family), traits);
-  s.entry_points = {"&" + kernel, "&attnforge::cuda::merge_kernel"};
+  s.entry_points = {"&" + kernel, "&attnforge::cuda::merge_kernel", "&attnforge::cuda::merge_stream_kernel"};
   const std::string tile = prefill
                                ? fmt::format("rope {}, stage tokens {}, rows {}", rope ? "on" : "off",
                                              prefill_stage_tokens(), prefill_rows())

@@ -84,6 +84,7 @@ struct KernelKey {
 // Entry points of a module of either family.
 constexpr int kAttentionEntry = 0;
 constexpr int kMergeEntry = 1;
+constexpr int kMergeStreamEntry = 2;  // the streamed merge (merge_stream_kernel)
 
 // The decode key for an attention shape on `arch` (with the tile run() launches, or `tile`); throws kUnsupported
 // when no decode kernel serves it.

@@ -392,6 +392,7 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
     p.items = reinterpret_cast<const WorkItem*>(base + l.items);
     if (plan.schedule_ctas > 0) p.schedule = reinterpret_cast<const int32_t*>(base + l.schedule);
     if (plan.merge_counters > 0) p.merge_counters = reinterpret_cast<int32_t*>(base + l.merge_counters);
+    if (plan.merge_flags > 0) p.merge_flags = reinterpret_cast<int32_t*>(base + l.merge_flags);
   } else {
     host_view.qo_indptr = plan.qo_indptr.data();
     host_view.kv_len = plan.kv_len.data();
@@ -515,6 +516,8 @@ void upload_plan(AttentionPlan& plan, const Workspace& workspace, void* host_sta
     place(plan.schedule, l.schedule);  // AttentionParams::schedule points there (prepare_run)
     // The decode kernel's merge counters start at zero; its merging CTAs leave them at zero (AttentionParams).
     std::memset(stage + l.merge_counters, 0, static_cast<size_t>(plan.merge_counters) * sizeof(int32_t));
+    // So do the streamed merges' flags; the merge kernel leaves them at zero.
+    std::memset(stage + l.merge_flags, 0, static_cast<size_t>(plan.merge_flags) * sizeof(int32_t));
     std::memcpy(stage, &v, sizeof(v));
     backend.copy_to_device(workspace.data, stage, plan.metadata_bytes, stream);
   }

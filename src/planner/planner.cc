@@ -312,7 +312,10 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     // so every re-plan of the batch size keeps the workspace layout and launches a captured graph holds.
     if (kind == PlanKind::kDecode && !a.options.deterministic && !a.options.disable_split) {
       const detail::Backend::DecodeMerge dm = backend.decode_merge(shape, plan.kv_stages);
-      if (planner::decode_merges_in_kernel(in, std::min(dm.cta_rows, plan.qo_tile * group), shape.head_dim_vo,
+      if (dm.stream && dm.cta_rows > 0) {
+        const int64_t row_blocks = (static_cast<int64_t>(plan.qo_tile) * group + dm.cta_rows - 1) / dm.cta_rows;
+        plan.merge_flags = static_cast<int64_t>(plan.item_capacity) * shape.num_kv_heads * row_blocks;
+      } else if (planner::decode_merges_in_kernel(in, std::min(dm.cta_rows, plan.qo_tile * group), shape.head_dim_vo,
                                            dm.smem_bytes, in.waves == 1 ? dm.small_batch_passes : dm.passes)) {
         const int64_t row_blocks = (static_cast<int64_t>(plan.qo_tile) * group + dm.cta_rows - 1) / dm.cta_rows;
         plan.merge_counters = static_cast<int64_t>(plan.merge_capacity) * shape.num_kv_heads * row_blocks;
@@ -355,7 +358,9 @@ std::string AttentionPlan::describe() const {
                      to_string(device), batch_size, total_qo, to_string(kv_format), page_size, qo_tile,
                      tile_rows > 0 ? fmt::format(" ({} rows)", tile_rows) : std::string(),
                      kv_stages > 0 ? fmt::format("{} K/V stages, ", kv_stages) : std::string(), kv_chunk, items.size(),
-                     merges.size(), merge_counters > 0 ? " (in the decode kernel)" : "", workspace_bytes);
+                     merges.size(),
+                     merge_counters > 0 ? " (in the decode kernel)" : merge_flags > 0 ? " (streamed)" : "",
+                     workspace_bytes);
 }
 
 }  // namespace attnforge

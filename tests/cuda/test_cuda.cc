@@ -1003,6 +1003,92 @@ TEST(CudaKernelMerge, SeveralPassesMatchTheReference) {
   EXPECT_GT(plan.max_merge_states, 7) << plan.describe();
 }
 
+// Streamed merges (ATTNFORGE_DECODE_KERNEL_MERGE=stream, which scripts/device-check sets for a second run of the decode
+// tests): the merge kernel runs beside the decode kernel and folds each merge's states as the decode CTAs release
+// their flags (AttentionPlan::merge_flags). Skipped in other modes.
+bool streamed_merges() {
+  const char* mode = std::getenv("ATTNFORGE_DECODE_KERNEL_MERGE");
+  return mode != nullptr && std::string(mode) == "stream";
+}
+
+// Runs `s` twice on one workspace with streamed merges: right against the float64 reference, every flag back at zero
+// after each run, and the second run gives the first run's bits. Returns the plan.
+AttentionPlan expect_streamed_merge(CaseSpec s) {
+  Case c = make_case(s);
+  DeviceCase dev(c);
+  AttentionPlan plan = cuda_decode_plan(c);
+  EXPECT_FALSE(plan.merges.empty()) << plan.describe();
+  EXPECT_GT(plan.merge_flags, 0) << plan.describe();
+  EXPECT_EQ(plan.merge_counters, 0) << plan.describe();
+  if (plan.merge_flags == 0) return plan;
+  const UploadedPlan uploaded(plan);
+  std::vector<uint8_t> first;
+  for (int run_index = 0; run_index < 2; ++run_index) {
+    const CheckedRun checked = run_checked(c, dev, plan, uploaded.w);
+    EXPECT_TRUE(checked.verdict.ok) << "run " << run_index << ": " << checked.verdict.message
+                                    << "\n  plan: " << plan.describe();
+    if (run_index == 0)
+      first = checked.bytes;
+    else
+      EXPECT_TRUE(checked.bytes == first) << "run 1 differs from run 0";
+    std::vector<int32_t> flags(static_cast<size_t>(plan.merge_flags), -1);
+    EXPECT_EQ(cudaSuccess, cudaMemcpy(flags.data(), static_cast<char*>(uploaded.ws) + detail::plan_layout(plan).merge_flags,
+                                      flags.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::count(flags.begin(), flags.end(), 0), static_cast<long>(flags.size()))
+        << "run " << run_index << ": merge flags left non-zero";
+  }
+  return plan;
+}
+
+// One flag per (KV head, block of 16 rows, item) at capacity; none in deterministic mode (the merge kernel after the
+// decode kernel, in its one fixed shape).
+TEST(CudaStreamMerge, FlagsSizedByCapacity) {
+  if (!streamed_merges()) GTEST_SKIP() << "needs ATTNFORGE_DECODE_KERNEL_MERGE=stream";
+  const AttentionPlan one = cuda_decode_plan(make_case(serving_decode(1, 9000, 16)));
+  ASSERT_FALSE(one.merges.empty()) << one.describe();
+  EXPECT_EQ(one.merge_flags, static_cast<int64_t>(one.item_capacity) * 8) << "8 KV heads, 4 rows a CTA";
+  EXPECT_EQ(one.merge_counters, 0);
+  CaseSpec det = serving_decode(1, 9000, 16);
+  det.plan.deterministic = true;
+  EXPECT_EQ(cuda_decode_plan(make_case(det)).merge_flags, 0);
+}
+
+// Two requests of unequal lengths, with sinks: 4 rows a CTA, one pair a thread.
+TEST(CudaStreamMerge, MatchesTheReference) {
+  if (!streamed_merges()) GTEST_SKIP() << "needs ATTNFORGE_DECODE_KERNEL_MERGE=stream";
+  CaseSpec s = serving_decode(2, 9000, 16);
+  s.kv_lens = {9000, 2500};
+  s.options.sinks = true;
+  s.seed = 91;
+  expect_streamed_merge(s);
+}
+
+// Full row blocks (16 query heads a KV head; and 4 query tokens of a group of 4, causal inside the request) at head
+// dims 64, 128 and 256 (two and four pairs a thread), a window that leaves the first pieces empty, page size 1.
+TEST(CudaStreamMerge, FullRowBlocksMatchTheReference) {
+  if (!streamed_merges()) GTEST_SKIP() << "needs ATTNFORGE_DECODE_KERNEL_MERGE=stream";
+  for (int head_dim : {64, 128, 256}) {
+    SCOPED_TRACE(head_dim);
+    CaseSpec s;
+    s.kind = PlanKind::kDecode;
+    s.num_qo_heads = 64, s.num_kv_heads = 4, s.head_dim_qk = head_dim;
+    s.qo_lens = {1};
+    s.kv_lens = {9000};
+    s.options.sinks = true;
+    s.options.window_left = 3000;
+    s.seed = 92 + head_dim;
+    const AttentionPlan plan = expect_streamed_merge(s);
+    EXPECT_GT(plan.max_merge_states, 2) << plan.describe();
+    CaseSpec v = serving_decode(3, 5000, 1);
+    v.qo_lens = {4, 4, 4};
+    v.kv_lens = {5000, 1203, 77};
+    v.head_dim_qk = head_dim;
+    v.options.causal = true;
+    v.seed = 93 + head_dim;
+    expect_streamed_merge(v);
+  }
+}
+
 // Decode batches too small to fill the GPU run the small-batch pipeline (AttentionPlan::kv_stages: 3 K/V stages with
 // 16-bit K/V at head_dim 128 and 256; two CTAs per SM at head_dim 128 on sm_90), chosen by the batch size alone. Its
 // kernel gives the default kernel's bits on the same items (a plan for the same workers without it), and larger

@@ -161,8 +161,10 @@ class CudaBackend final : public Backend {
   // merge kernel: H200, 93fa9ce). ATTNFORGE_DECODE_KERNEL_MERGE=0 leaves every merge to the merge kernel (A/B runs);
   // =several lets small batches take four passes too (the tests of that path; README).
   DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const override {
-    static const std::string mode = detail::env_choice("ATTNFORGE_DECODE_KERNEL_MERGE", {"0", "1", "several"}, "1");
+    static const std::string mode =
+        detail::env_choice("ATTNFORGE_DECODE_KERNEL_MERGE", {"0", "1", "several", "stream"}, "1");
     if (mode == "0") return {};
+    if (mode == "stream") return {cuda::kDecodeCtaRows, 0, 0, 0, true};
     const AttentionShape s = normalized(shape);
     const int stages = kv_stages > 0 ? kv_stages : cuda::default_decode_stages(s.kv_dtype);
     return {cuda::kDecodeCtaRows, cuda::decode_attributes(s.head_dim_qk, s.kv_dtype, stages).max_dynamic_smem,

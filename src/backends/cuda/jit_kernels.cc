@@ -72,6 +72,7 @@ const JitKernels::Kernels& JitKernels::kernels(const jit::KernelKey& key) {
   const std::vector<std::string>& names = l.module->lowered_names;
   ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&k.attention, module, names[jit::kAttentionEntry].c_str()));
   ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&k.merge, module, names[jit::kMergeEntry].c_str()));
+  ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&k.merge_stream, module, names[jit::kMergeStreamEntry].c_str()));
   // The attributes configure_kernel() gives the nvcc instantiations.
   const KernelAttributes a = attributes(key);
   ATTNFORGE_CU_CHECK(
@@ -159,7 +160,7 @@ void JitKernels::run(const AttentionParams& p, PlanKind kind, cudaStream_t strea
     ATTNFORGE_CU_CHECK(d.cuLaunchKernelEx(&config, f, args, nullptr));
   };
   launch(k.attention, c.attention, !prefill && p.programmatic_launch && decode_programmatic_launch());
-  if (c.run_merge) launch(k.merge, c.merge, merge_programmatic_launch());
+  if (c.run_merge) launch(p.merge_flags != nullptr ? k.merge_stream : k.merge, c.merge, merge_programmatic_launch());
 }
 
 void JitKernels::run_variant(const AttentionParams& p, const jit::KernelKey& key, const VariantArgs& args,

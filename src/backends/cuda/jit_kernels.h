@@ -28,6 +28,7 @@ class JitKernels {
   struct Kernels {
     CUfunction attention = nullptr;  // the decode or prefill kernel
     CUfunction merge = nullptr;
+    CUfunction merge_stream = nullptr;  // streamed merges (AttentionParams::merge_flags)
     int ctas_per_sm = 0;
     jit::KernelKey key;
   };

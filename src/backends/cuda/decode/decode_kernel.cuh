@@ -162,6 +162,17 @@ __device__ __forceinline__ bool arrive_at_merge(const AttentionParams& p, const 
   return s_last != 0;
 }
 
+// Streamed merges (AttentionParams::merge_flags): releases this CTA's flag once every thread's partial rows are
+// written (the barrier orders them before thread 0's release), for the merge kernel that runs beside this grid.
+__device__ __forceinline__ void publish_state(const AttentionParams& p, int item_index, int kv_head) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* flag = p.merge_flags + (static_cast<int64_t>(kv_head) * gridDim.z + blockIdx.z) * p.item_capacity +
+                    item_index;
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(1) : "memory");
+  }
+}
+
 // The last CTA of a merge combines the states of its rows (row0 .. row0 + rows - 1 of every piece of the request) in
 // the kernel's shared memory, which the K/V stages and Q no longer need (the caller's barrier). A thread owns (row,
 // four dims) pairs: it copies its pairs' O slices of every state by cp.async through L2 and later reads back only
@@ -386,6 +397,8 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   // memory (they were its fourth: the PlanView, the item, the request arrays; 0.7-0.9 us each in the per-CTA
   // timelines of 1 x 32768).
   const int num_items = plan.num_items;
+  // Streamed merges: the merge kernel is scheduled from the start, so its CTAs are resident when the states land.
+  if (p.merge_flags != nullptr) grid_launch_dependents();
   for (int item_index = linear / p.num_kv_heads;; item_index += gridDim.x) {
     WorkItem it{};
     if (item_index < p.item_capacity) it = p.items[item_index];
@@ -708,6 +721,8 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
       if (p.merge_counters != nullptr && it.merge >= 0 && arrive_at_merge<Tr>(p, it, kv_head))
         merge_split_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), row0, rows, group, kv_head,
                              qo_start ATTNFORGE_TL(, tl_merge));
+      else if (p.merge_flags != nullptr && it.merge >= 0)
+        publish_state(p, item_index, kv_head);
     }
     ATTNFORGE_TL(tl_lap(5);)
 

@@ -12,8 +12,15 @@ namespace attnforge::cuda {
 
 // Query rows of a merge run in parallel CTAs (up to 8; more loop): speculative verification merges 4-8 rows each.
 // Any re-plan's rows are covered whatever qo_tile it has, since the kernel strides over them by gridDim.z. A warp
-// per (row, head) takes four heads per CTA; four warps per row, one head (merge_one_warp).
+// per (row, head) takes four heads per CTA; four warps per row, one head (merge_one_warp). Streamed merges
+// (merge_streamed) take the decode kernel's grid less its items: one CTA per (merge, KV head, block of its CTA rows).
 KernelDims merge_dims(const AttentionParams& p) {
+  if (p.merge_flags != nullptr) {  // streamed: one CTA per (merge, KV head, decode CTA's row block)
+    const int rows = p.qo_tile * (p.num_qo_heads / p.num_kv_heads);
+    return {dim3(p.merge_capacity > 0 ? p.merge_capacity : 1, p.num_kv_heads,
+                 (rows + kDecodeCtaRows - 1) / kDecodeCtaRows),
+            dim3(p.head_dim_vo <= 128 ? kStreamThreads<128> : kStreamThreads<256>), 0};
+  }
   const unsigned row_blocks = static_cast<unsigned>(p.qo_tile < 1 ? 1 : p.qo_tile > 8 ? 8 : p.qo_tile);
   const unsigned head_blocks = merge_one_warp(p) ? (p.num_qo_heads + kMergeWarps - 1) / kMergeWarps : p.num_qo_heads;
   return {dim3(p.merge_capacity > 0 ? p.merge_capacity : 1, head_blocks, row_blocks), dim3(kMergeThreads), 0};
@@ -37,7 +44,8 @@ bool merge_programmatic_launch() {
 
 void run_merge(const AttentionParams& p, cudaStream_t stream) {
   if (p.merge_capacity <= 0 || p.merge_counters != nullptr) return;  // none, or merged by the decode kernel
-  launch_kernel(merge_kernel, merge_dims(p), stream, merge_programmatic_launch(), p);
+  launch_kernel(p.merge_flags != nullptr ? merge_stream_kernel : merge_kernel, merge_dims(p), stream,
+                merge_programmatic_launch(), p);
   ATTNFORGE_TL(print_timeline("merge", stream);)  // trace builds: before the attention kernel's lines
 }
 

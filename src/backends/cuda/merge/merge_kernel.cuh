@@ -6,6 +6,7 @@
 #include "attnforge/kernel/params.h"
 #include "attnforge/kernel/state.h"
 #include "attnforge/kernel/variant.h"
+#include "backends/cuda/decode/decode_defaults.cuh"
 #include "backends/cuda/device/ptx.cuh"
 #include "backends/cuda/device/timeline.cuh"
 
@@ -198,6 +199,148 @@ __device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m
   })
 }
 
+// Streamed merges (AttentionParams::merge_flags, decode): the merge runs beside the decode grid instead of after it.
+// The decode kernel releases one flag per (item, KV head, block of its CTA rows) once that CTA's partial rows are
+// written, and lets this grid be scheduled from its first instruction; a CTA here takes one (merge, KV head, row
+// block), the rows of exactly one decode CTA of each state, and folds the states in KV order as their flags appear,
+// so when the last state lands only its own trip and one update remain (the decode kernel's own merge waited for the
+// last state, then fetched all of them and reduced them: 3.8 us of the 1 x 32768 step, perf-notes v21).
+// A thread owns (row, four dims) pairs; each warp polls a window of 32 flags (one acquire per lane, a ballot for the
+// ready prefix) and, between polls, updates its pairs' running (m, l, o) a batch of states at a time. The flags are
+// read by this CTA alone, which puts them back to zero for the next launch. Never waits on a flag a decode CTA will
+// not release: this grid starts only once every decode CTA has (launch_dependents), so every CTA it waits for is
+// resident or done, and each (item, KV head, row block) with rows publishes exactly once.
+__device__ __forceinline__ bool flag_set(const int32_t* flag) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v != 0;
+}
+__device__ __forceinline__ float4 load_cg4(const float* p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+
+// One merge's rows row0 .. row0 + rows - 1 (packed: token x head of the group) at kPairs (row, four dims) pairs a
+// thread (kThreads of them), kBatch states' loads in flight together (40 registers of them whatever kPairs).
+template <int D, int kThreads, int kPairs>
+__device__ __forceinline__ void stream_rows(const AttentionParams& p, const MergeItem& mi, int32_t* flags,
+                                            int first_row, int qo_start, int row0, int rows, long long* tl_seen) {
+  constexpr int kQuads = D / 4, kBatch = 8 / kPairs;
+  const int heads = p.num_qo_heads, group = heads / p.num_kv_heads, kv_head = static_cast<int>(blockIdx.y);
+  const int lane = threadIdx.x % 32, states = mi.num_items, nq = mi.qo_end - mi.qo_begin;
+  // State k of packed row r is partial row first_row + k x nq + r / group (WorkItem::merge_row0); a pair's element
+  // of state k is (its row's) LSE at lse_row + k x nq x heads, its O quad D times that plus 4 q.
+  const int64_t lse_step = static_cast<int64_t>(nq) * heads;
+  int lse_row[kPairs];
+  float m[kPairs], l[kPairs];
+  float4 acc[kPairs];
+  bool any = false;
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int i = threadIdx.x + j * kThreads, r = row0 + i / kQuads;
+    lse_row[j] = i < rows * kQuads ? (first_row + r / group) * heads + kv_head * group + r % group : -1;
+    any |= lse_row[j] >= 0;
+    m[j] = -ATTNFORGE_INFINITY, l[j] = 0.f, acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  if (!__any_sync(0xffffffffu, any)) return;  // warp-uniform: no pair in this warp
+  const int q4 = 4 * (threadIdx.x % kQuads);  // kThreads is a multiple of kQuads: every pair's dims
+  for (int k0 = 0; k0 < states;) {
+    const int k = k0 + lane;
+    const bool ready = k >= states || flag_set(flags + k);
+    __syncwarp();  // the lanes' acquires order every lane's loads below
+    const unsigned pending = ~__ballot_sync(0xffffffffu, ready);
+    const int n = min(pending == 0u ? 32 : __ffs(pending) - 1, states - k0);
+    if (n == 0) {
+      __nanosleep(100);
+      continue;
+    }
+    ATTNFORGE_TL(if (k0 + n == states) *tl_seen = global_ns();)
+    for (int u0 = 0; u0 < n; u0 += kBatch) {
+      float lse[kBatch][kPairs];
+      float4 o[kBatch][kPairs];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) {
+          const int64_t e = lse_row[j] + (k0 + u0 + u) * lse_step;
+          const bool load = lse_row[j] >= 0 && u0 + u < n;
+          lse[u][j] = load ? load_cg(p.partial_lse + e) : -ATTNFORGE_INFINITY;
+          o[u][j] = load ? load_cg4(p.partial_o + e * D + q4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) {
+          const float m_new = fmaxf(m[j], lse[u][j]);
+          if (m_new == -ATTNFORGE_INFINITY) continue;  // every state so far is empty
+          const float scale = exp2f(m[j] - m_new);     // 0 while m is -inf (acc and l are 0 then)
+          const float w = lse[u][j] == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse[u][j] - m_new);
+          l[j] = l[j] * scale + w;
+          acc[j].x = acc[j].x * scale + w * o[u][j].x, acc[j].y = acc[j].y * scale + w * o[u][j].y;
+          acc[j].z = acc[j].z * scale + w * o[u][j].z, acc[j].w = acc[j].w * scale + w * o[u][j].w;
+          m[j] = m_new;
+        }
+    }
+    k0 += n;
+  }
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    if (lse_row[j] < 0) continue;
+    const int r = row0 + (threadIdx.x + j * kThreads) / kQuads;
+    const int tok = mi.qo_begin + r / group, h = kv_head * group + r % group;
+    float lse = l[j] > 0.f ? m[j] + log2f(l[j]) : -ATTNFORGE_INFINITY;
+    const float f = (l[j] > 0.f ? 1.f / l[j] : 0.f) * apply_sink(p.variant, h, &lse);
+    const int64_t out = (qo_start + tok) * p.o_stride_token + h * p.o_stride_head + q4;
+    store_element(p.o, p.o_dtype, out, acc[j].x * f);
+    store_element(p.o, p.o_dtype, out + 1, acc[j].y * f);
+    store_element(p.o, p.o_dtype, out + 2, acc[j].z * f);
+    store_element(p.o, p.o_dtype, out + 3, acc[j].w * f);
+    if (p.lse && q4 == 0) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
+  }
+}
+
+// A CTA's threads: four pairs a thread at most (head_dim 256: 256 threads).
+template <int D>
+constexpr int kStreamThreads = D <= 128 ? kMergeThreads : 2 * kMergeThreads;
+
+template <int D>
+__device__ __forceinline__ void merge_streamed(const AttentionParams& p) {
+  constexpr int kRows = kDecodeCtaRows, kQuads = D / 4, kThreads = kStreamThreads<D>;
+  static_assert(kThreads % kQuads == 0 && (kRows * kQuads) % kThreads == 0, "whole rows a pass");
+  const PlanView& plan = *p.plan;
+  const int group = p.num_qo_heads / p.num_kv_heads, row0 = static_cast<int>(blockIdx.z) * kRows;
+  // The next kernel on the stream (a programmatic dependent: the next decode call) may be scheduled now; it waits
+  // for this grid's end before it reads or writes anything this grid touches.
+  grid_launch_dependents();
+  ATTNFORGE_TL(const long long tl_start = global_ns(); long long tl_seen = 0, tl_merges = 0;)
+  for (int mi_index = blockIdx.x; mi_index < plan.num_merges; mi_index += gridDim.x) {
+    const MergeItem mi = plan.merges[mi_index];
+    const int rows = min(kRows, (mi.qo_end - mi.qo_begin) * group - row0);
+    if (rows <= 0) continue;  // no decode CTA of this row block either
+    const int first_row = plan.items[mi.first_item].partial_row;
+    const int qo_start = plan.qo_indptr[mi.request];
+    int32_t* const flags =
+        p.merge_flags + (blockIdx.y * static_cast<int64_t>(gridDim.z) + blockIdx.z) * p.item_capacity + mi.first_item;
+    long long* seen = nullptr;
+    ATTNFORGE_TL(seen = &tl_seen;)
+    constexpr int kMaxPairs = kRows * kQuads / kThreads;  // 2 at head_dim 64, else 4
+    const int pairs = (rows * kQuads + kThreads - 1) / kThreads;
+    if (pairs <= 1)
+      stream_rows<D, kThreads, 1>(p, mi, flags, first_row, qo_start, row0, rows, seen);
+    else if (pairs <= 2 || kMaxPairs <= 2)
+      stream_rows<D, kThreads, 2>(p, mi, flags, first_row, qo_start, row0, rows, seen);
+    else
+      stream_rows<D, kThreads, kMaxPairs>(p, mi, flags, first_row, qo_start, row0, rows, seen);
+    __syncthreads();  // every warp has read the flags
+    for (int k = threadIdx.x; k < mi.num_items; k += kThreads) flags[k] = 0;
+    ATTNFORGE_TL(++tl_merges;)
+  }
+  ATTNFORGE_TL(if (long long* f = timeline_slot(); f && threadIdx.x == 0) {
+    f[0] = tl_start, f[1] = global_ns(), f[2] = tl_seen, f[10] = (sm_id() << 32) | tl_merges;
+  })
+}
+
 // Combines the partial states of each merge item (the shapes above), grid-stride over the plan's merges and over a
 // merge's query rows by gridDim.z. Launched as a programmatic dependent of the attention kernel where the GPU has
 // it (sm_90+): the plan's metadata (uploaded before the attention kernel) is read first, then griddepcontrol.wait
@@ -210,6 +353,17 @@ __global__ void __launch_bounds__(kMergeThreads, 5) merge_kernel(const Attention
     case 64: merge_items<1>(p, s_m, s_l, s_o); break;
     case 128: merge_items<2>(p, s_m, s_l, s_o); break;
     default: merge_items<4>(p, s_m, s_l, s_o); break;  // 256
+  }
+}
+
+// Streamed merges (merge_streamed), over merge_dims' grid; launched as a programmatic dependent of the decode kernel
+// where the GPU has it, else after it (every flag is then set when a CTA starts). No register cap: a CTA holds up to
+// 16 rows and its (m, l, o) of up to 4 pairs a thread (kStreamThreads), and its grid is the decode grid's merges.
+__global__ void __launch_bounds__(2 * kMergeThreads) merge_stream_kernel(const AttentionParams p) {
+  switch (p.head_dim_vo) {
+    case 64: merge_streamed<64>(p); break;
+    case 128: merge_streamed<128>(p); break;
+    default: merge_streamed<256>(p); break;  // 256
   }
 }
 
