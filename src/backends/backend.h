@@ -39,9 +39,9 @@ class Backend {
     int32_t cta_rows = 0;
     int64_t smem_bytes = 0;
     int32_t passes = 0, small_batch_passes = 0;
-    // Merges streamed instead (AttentionPlan::merge_flags): the merge kernel runs beside the decode kernel, which
-    // releases a flag per CTA state (cta_rows as above; smem_bytes and passes unused).
-    bool stream = false;
+    // Merges streamed instead (AttentionPlan::merge_flags: the merge kernel runs beside the decode kernel, which
+    // releases a flag per CTA state) in batches of at most this many (request, KV head) pairs; 0: never.
+    int64_t stream_max_pairs = 0;
   };
   virtual DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const {
     (void)shape, (void)kv_stages;

@@ -926,11 +926,24 @@ TEST(CudaSplitMerge, RepeatedRunsOnOneWorkspace) {
 
 }
 
+// The merge mode the device-check run sets (ATTNFORGE_DECODE_KERNEL_MERGE), "1" when unset.
+std::string kernel_merge_mode() {
+  const char* mode = std::getenv("ATTNFORGE_DECODE_KERNEL_MERGE");
+  return mode != nullptr ? mode : "1";
+}
+
 // Decode plans whose merges the decode kernel does (AttentionPlan::merge_counters; its last CTA of a merge combines
-// the states): chosen by the batch shape, never in deterministic mode.
+// the states): chosen by the batch shape (batches of more than 32 (request, KV head) pairs at head_dim 128, where
+// smaller ones stream their merges), never in deterministic mode.
 TEST(CudaKernelMerge, ChosenByBatchShape) {
+  if (kernel_merge_mode() == "stream") GTEST_SKIP() << "every merge is streamed under ATTNFORGE_DECODE_KERNEL_MERGE=stream";
   auto plan_of = [](CaseSpec s) { return cuda_decode_plan(make_case(s)); };
-  const AttentionPlan one = plan_of(serving_decode(1, 9000, 16));
+  if (kernel_merge_mode() == "1") {
+    const AttentionPlan streamed = plan_of(serving_decode(4, 9000, 16));
+    EXPECT_EQ(streamed.merge_counters, 0) << streamed.describe();
+    EXPECT_GT(streamed.merge_flags, 0) << streamed.describe();
+  }
+  const AttentionPlan one = plan_of(serving_decode(5, 9000, 16));
   ASSERT_FALSE(one.merges.empty()) << one.describe();
   EXPECT_GT(one.merge_counters, 0) << one.describe();
   EXPECT_EQ(one.merge_counters, one.merge_capacity * 8) << "one counter per (merge, KV head): 4 rows a CTA";
@@ -975,8 +988,9 @@ AttentionPlan expect_kernel_merge(CaseSpec s) {
 
 // The kernel's merge in one pass (the serving shapes: every state's O rows fit the shared memory at once), with sinks.
 TEST(CudaKernelMerge, OnePassMatchesTheReference) {
-  CaseSpec s = serving_decode(2, 9000, 16);
-  s.kv_lens = {9000, 2500};
+  if (kernel_merge_mode() == "stream") GTEST_SKIP() << "every merge is streamed under ATTNFORGE_DECODE_KERNEL_MERGE=stream";
+  CaseSpec s = serving_decode(5, 9000, 16);
+  s.kv_lens = {9000, 2500, 700, 4000, 33};
   s.options.sinks = true;
   s.seed = 77;
   expect_kernel_merge(s);
@@ -1003,12 +1017,14 @@ TEST(CudaKernelMerge, SeveralPassesMatchTheReference) {
   EXPECT_GT(plan.max_merge_states, 7) << plan.describe();
 }
 
-// Streamed merges (ATTNFORGE_DECODE_KERNEL_MERGE=stream, which scripts/device-check sets for a second run of the decode
-// tests): the merge kernel runs beside the decode kernel and folds each merge's states as the decode CTAs release
-// their flags (AttentionPlan::merge_flags). Skipped in other modes.
-bool streamed_merges() {
-  const char* mode = std::getenv("ATTNFORGE_DECODE_KERNEL_MERGE");
-  return mode != nullptr && std::string(mode) == "stream";
+// Streamed merges (the default for small batches at head_dim 128; every decode merge under
+// ATTNFORGE_DECODE_KERNEL_MERGE=stream, which scripts/device-check sets for a second run of the decode tests): the
+// merge kernel runs beside the decode kernel and folds each merge's states as the decode CTAs release their flags
+// (AttentionPlan::merge_flags). Skipped in the other modes.
+// Streamed: batches of at most 32 (request, KV head) pairs at head_dim 128 by default, every decode merge with
+// ATTNFORGE_DECODE_KERNEL_MERGE=stream.
+bool streamed_merges(int head_dim = 128) {
+  return kernel_merge_mode() == "stream" || (kernel_merge_mode() == "1" && head_dim == 128);
 }
 
 // Runs `s` twice on one workspace with streamed merges: right against the float64 reference, every flag back at zero
@@ -1043,7 +1059,7 @@ AttentionPlan expect_streamed_merge(CaseSpec s) {
 // One flag per (KV head, block of 16 rows, item) at capacity; none in deterministic mode (the merge kernel after the
 // decode kernel, in its one fixed shape).
 TEST(CudaStreamMerge, FlagsSizedByCapacity) {
-  if (!streamed_merges()) GTEST_SKIP() << "needs ATTNFORGE_DECODE_KERNEL_MERGE=stream";
+  if (!streamed_merges()) GTEST_SKIP() << "merges are not streamed in this mode";
   const AttentionPlan one = cuda_decode_plan(make_case(serving_decode(1, 9000, 16)));
   ASSERT_FALSE(one.merges.empty()) << one.describe();
   EXPECT_EQ(one.merge_flags, static_cast<int64_t>(one.item_capacity) * 8) << "8 KV heads, 4 rows a CTA";
@@ -1055,7 +1071,7 @@ TEST(CudaStreamMerge, FlagsSizedByCapacity) {
 
 // Two requests of unequal lengths, with sinks: 4 rows a CTA, one pair a thread.
 TEST(CudaStreamMerge, MatchesTheReference) {
-  if (!streamed_merges()) GTEST_SKIP() << "needs ATTNFORGE_DECODE_KERNEL_MERGE=stream";
+  if (!streamed_merges()) GTEST_SKIP() << "merges are not streamed in this mode";
   CaseSpec s = serving_decode(2, 9000, 16);
   s.kv_lens = {9000, 2500};
   s.options.sinks = true;
@@ -1066,8 +1082,9 @@ TEST(CudaStreamMerge, MatchesTheReference) {
 // Full row blocks (16 query heads a KV head; and 4 query tokens of a group of 4, causal inside the request) at head
 // dims 64, 128 and 256 (two and four pairs a thread), a window that leaves the first pieces empty, page size 1.
 TEST(CudaStreamMerge, FullRowBlocksMatchTheReference) {
-  if (!streamed_merges()) GTEST_SKIP() << "needs ATTNFORGE_DECODE_KERNEL_MERGE=stream";
+  if (!streamed_merges()) GTEST_SKIP() << "merges are not streamed in this mode";
   for (int head_dim : {64, 128, 256}) {
+    if (!streamed_merges(head_dim)) continue;
     SCOPED_TRACE(head_dim);
     CaseSpec s;
     s.kind = PlanKind::kDecode;

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -158,17 +159,26 @@ class CudaBackend final : public Backend {
   // The decode kernel merges split KV itself (decode_kernel.cuh, merge_split_rows): its CTAs hold 16 rows and its
   // last CTA of a merge combines states in the kernel's shared memory: in up to four passes in batches of a wave or
   // more, in one in smaller batches (a second pass made 1 x 32768 at head_dim 64, 49 states, 2 us slower than the
-  // merge kernel: H200, 93fa9ce). ATTNFORGE_DECODE_KERNEL_MERGE=0 leaves every merge to the merge kernel (A/B runs);
-  // =several lets small batches take four passes too (the tests of that path; README).
+  // merge kernel: H200, 93fa9ce). At head_dim 128 with 16-bit K/V, batches of at most kStreamMaxPairs (request,
+  // KV head) pairs (whose merges hold many states each) stream them instead: the merge kernel runs beside the decode
+  // kernel and folds the states as their CTAs finish (merge_kernel.cuh, merge_streamed). ATTNFORGE_DECODE_KERNEL_MERGE=0 leaves every
+  // merge to the merge kernel after the decode kernel (A/B runs); =kernel keeps every merge in the decode kernel
+  // where it fits (no streaming); =several lets small batches take four passes too (the tests of that path); =stream
+  // streams every decode merge (README).
+  static constexpr int64_t kStreamMaxPairs = 32;
   DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const override {
     static const std::string mode =
-        detail::env_choice("ATTNFORGE_DECODE_KERNEL_MERGE", {"0", "1", "several", "stream"}, "1");
+        detail::env_choice("ATTNFORGE_DECODE_KERNEL_MERGE", {"0", "1", "kernel", "several", "stream"}, "1");
     if (mode == "0") return {};
-    if (mode == "stream") return {cuda::kDecodeCtaRows, 0, 0, 0, true};
     const AttentionShape s = normalized(shape);
     const int stages = kv_stages > 0 ? kv_stages : cuda::default_decode_stages(s.kv_dtype);
-    return {cuda::kDecodeCtaRows, cuda::decode_attributes(s.head_dim_qk, s.kv_dtype, stages).max_dynamic_smem,
-            4, mode == "several" ? 4 : 1};
+    DecodeMerge m{cuda::kDecodeCtaRows, cuda::decode_attributes(s.head_dim_qk, s.kv_dtype, stages).max_dynamic_smem,
+                  4, mode == "several" ? 4 : 1};
+    if (mode == "stream")
+      m.stream_max_pairs = std::numeric_limits<int64_t>::max();
+    else if (mode == "1" && s.head_dim_qk == 128 && !cuda::is_fp8(s.kv_dtype))
+      m.stream_max_pairs = kStreamMaxPairs;
+    return m;
   }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).
   // The short tile (64 rows) when the batch's requests pack at most that many rows on average, else the head dim's
