@@ -397,6 +397,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   // memory (they were its fourth: the PlanView, the item, the request arrays; 0.7-0.9 us each in the per-CTA
   // timelines of 1 x 32768).
   const int num_items = plan.num_items;
+  // Streamed merges: the merge kernel is scheduled from the start, so its CTAs are resident when the states land.
+  // (After the dependency wait below instead, the merge CTAs came later and 1 x 32768 ran 4-6 us slower: H200,
+  // session 27, perf-notes v22.)
+  if (p.merge_flags != nullptr) grid_launch_dependents();
   for (int item_index = linear / p.num_kv_heads;; item_index += gridDim.x) {
     WorkItem it{};
     if (item_index < p.item_capacity) it = p.items[item_index];
@@ -409,10 +413,6 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     // wait, and everything the caller gives (the page table, Q, K/V, option tensors) after it, as is every write. A
     // no-op after the first item, and without the launch attribute.
     grid_dependency_wait();
-    // Streamed merges: the merge kernel is scheduled now, so that its CTAs are resident when the states land. Not
-    // before the wait: in a chain of calls every decode grid would let its merge grid in, and that one the next decode
-    // grid, while the grids before them still run.
-    if (p.merge_flags != nullptr) grid_launch_dependents();
     const int64_t page_list = Loader::page_list_of(kv, it);
     // Tile 0's page-table lines head for L1 now, so that their trip runs under the row arithmetic below rather than
     // after it (1 x 32768 timelines: item at 0.8 us, the rows' bounds at 1.6, tile 0's copies out at 2.9). A window

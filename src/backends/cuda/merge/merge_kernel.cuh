@@ -205,15 +205,16 @@ __device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m
 // block), the rows of exactly one decode CTA of each state, and folds the states in KV order as their flags appear,
 // so when the last state lands only its own trip and one update remain (the decode kernel's own merge waited for the
 // last state, then fetched all of them and reduced them: 3.8 us of the 1 x 32768 step, perf-notes v21).
-// A thread owns (row, four dims) pairs; each warp polls a window of 32 flags (a relaxed load per lane, a ballot for
-// the ready prefix, then one acquire fence) and, between polls, updates its pairs' running (m, l, o) a batch of
-// states at a time. The flags are
+// A thread owns (row, four dims) pairs; each warp polls a window of 32 flags (an acquire load per lane, a ballot for
+// the ready prefix) and, between polls, updates its pairs' running (m, l, o) a batch of states at a time. (Relaxed
+// polls with one acquire fence a ready batch, and shorter sleeps, made it slower together with a later launch of
+// this grid: perf-notes v22.) The flags are
 // read by this CTA alone, which puts them back to zero for the next launch. Never waits on a flag a decode CTA will
 // not release: this grid starts only once every decode CTA has (launch_dependents), so every CTA it waits for is
 // resident or done, and each (item, KV head, row block) with rows publishes exactly once.
 __device__ __forceinline__ bool flag_set(const int32_t* flag) {
   int32_t v;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
   return v != 0;
 }
 __device__ __forceinline__ float4 load_cg4(const float* p) {
@@ -249,16 +250,13 @@ __device__ __forceinline__ void stream_rows(const AttentionParams& p, const Merg
   for (int k0 = 0; k0 < states;) {
     const int k = k0 + lane;
     const bool ready = k >= states || flag_set(flags + k);
+    __syncwarp();  // the lanes' acquires order every lane's loads below (.cg: never a stale L1 line)
     const unsigned pending = ~__ballot_sync(0xffffffffu, ready);
     const int n = min(pending == 0u ? 32 : __ffs(pending) - 1, states - k0);
     if (n == 0) {
-      __nanosleep(32);
+      __nanosleep(100);
       continue;
     }
-    // Each lane's fence after the flag it saw, then the warp barrier: every lane's loads below come after the
-    // releases of the n states (no L1 line of this launch's partial states is read: .cg).
-    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-    __syncwarp();
     ATTNFORGE_TL(if (k0 + n == states) *tl_seen = global_ns();)
     for (int u0 = 0; u0 < n; u0 += kBatch) {
       float lse[kBatch][kPairs];
