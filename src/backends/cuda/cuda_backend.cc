@@ -164,7 +164,7 @@ class CudaBackend final : public Backend {
   // kernel and folds the states as their CTAs finish (merge_kernel.cuh, merge_streamed). ATTNFORGE_DECODE_KERNEL_MERGE=0 leaves every
   // merge to the merge kernel after the decode kernel (A/B runs); =kernel keeps every merge in the decode kernel
   // where it fits (no streaming); =several lets small batches take four passes too (the tests of that path); =stream
-  // streams every decode merge (README).
+  // streams every decode merge of 16-bit K/V (README).
   static constexpr int64_t kStreamMaxPairs = 32;
   DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const override {
     static const std::string mode =
@@ -174,7 +174,7 @@ class CudaBackend final : public Backend {
     const int stages = kv_stages > 0 ? kv_stages : cuda::default_decode_stages(s.kv_dtype);
     DecodeMerge m{cuda::kDecodeCtaRows, cuda::decode_attributes(s.head_dim_qk, s.kv_dtype, stages).max_dynamic_smem,
                   4, mode == "several" ? 4 : 1};
-    if (mode == "stream")
+    if (mode == "stream" && !cuda::is_fp8(s.kv_dtype))  // the fp8 kernels do not stream (decode_kernel.cuh)
       m.stream_max_pairs = std::numeric_limits<int64_t>::max();
     else if (mode == "1" && s.head_dim_qk == 128 && !cuda::is_fp8(s.kv_dtype))
       m.stream_max_pairs = kStreamMaxPairs;

@@ -399,8 +399,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   const int num_items = plan.num_items;
   // Streamed merges: the merge kernel is scheduled from the start, so its CTAs are resident when the states land.
   // (After the dependency wait below instead, the merge CTAs came later and 1 x 32768 ran 4-6 us slower: H200,
-  // session 27, perf-notes v22.)
-  if (p.merge_flags != nullptr) grid_launch_dependents();
+  // session 27, perf-notes v22.) 16-bit K/V only: the fp8 kernels never stream (CudaBackend::decode_merge), and
+  // compiled into them this code cost fp8 64 x 8192 3-5% (their registers moved).
+  if constexpr (!kFp8)
+    if (p.merge_flags != nullptr) grid_launch_dependents();
   for (int item_index = linear / p.num_kv_heads;; item_index += gridDim.x) {
     WorkItem it{};
     if (item_index < p.item_capacity) it = p.items[item_index];
@@ -723,7 +725,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
       if (p.merge_counters != nullptr && it.merge >= 0 && arrive_at_merge<Tr>(p, it, kv_head))
         merge_split_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), row0, rows, group, kv_head,
                              qo_start ATTNFORGE_TL(, tl_merge));
-      else if (p.merge_flags != nullptr && it.merge >= 0)
+      else if (!kFp8 && p.merge_flags != nullptr && it.merge >= 0)
         publish_state(p, item_index, kv_head);
     }
     ATTNFORGE_TL(tl_lap(5);)
