@@ -119,7 +119,7 @@ fs::path entry_path(const fs::path& dir, const KernelKey& key) {
 // ---- compiling ----
 
 // Compiles every key's rendered source on two threads; returns one message per key, empty when its module names
-// the attention and the merge kernel and holds an ELF cubin (and, with `no_spills`, ptxas reported no spill).
+// the attention kernel and both merge kernels (after the attention kernel, and streamed beside it) and holds an ELF cubin (and, with `no_spills`, ptxas reported no spill).
 std::vector<std::string> compile_all(const std::vector<KernelKey>& keys, bool no_spills) {
   std::vector<std::string> failures(keys.size());
   std::atomic<size_t> next{0};
@@ -127,8 +127,8 @@ std::vector<std::string> compile_all(const std::vector<KernelKey>& keys, bool no
     for (size_t i = next++; i < keys.size(); i = next++) {
       try {
         const CompiledModule m = compile(keys[i].render());
-        if (m.lowered_names.size() != 2 || m.lowered_names[kAttentionEntry].empty() ||
-            m.lowered_names[kMergeEntry].empty())
+        if (m.lowered_names.size() != 3 || m.lowered_names[kAttentionEntry].empty() ||
+            m.lowered_names[kMergeEntry].empty() || m.lowered_names[kMergeStreamEntry].empty())
           failures[i] = "missing kernel names";
         else if (m.binary.size() < 4 || m.binary.compare(0, 4, "\x7f" "ELF") != 0)
           failures[i] = "not an ELF cubin";
@@ -532,10 +532,11 @@ TEST(JitKey, PrefillSourceInstantiatesTheTraitsOfTheKey) {
   const KernelSource src = prefill_key(bf16, "sm_90a", true).render();
   EXPECT_EQ(src.name, "prefill_d128_bf16_rope_sm90a");
   EXPECT_EQ(src.arch, "sm_90a");
-  ASSERT_EQ(src.entry_points.size(), 2u);
+  ASSERT_EQ(src.entry_points.size(), 3u);
   EXPECT_EQ(src.entry_points[kAttentionEntry],
             "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<128, attnforge::cuda::Bf16, true, 32, 128>>");
   EXPECT_EQ(src.entry_points[kMergeEntry], "&attnforge::cuda::merge_kernel");
+  EXPECT_EQ(src.entry_points[kMergeStreamEntry], "&attnforge::cuda::merge_stream_kernel");
   EXPECT_NE(src.source.find("#include \"backends/cuda/prefill/prefill_kernel.cuh\""), std::string::npos) << src.source;
   EXPECT_NE(src.source.find("#include \"backends/cuda/merge/merge_kernel.cuh\""), std::string::npos) << src.source;
   EXPECT_NE(src.source.find("template __global__ void attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<"
