@@ -61,8 +61,9 @@ struct BatchPlanArgs {
 };
 
 struct AttentionPlan {
-  // 2: the persistent kernel's schedule; 3: kv_stages; 4: WorkItem context; 5: merges in the decode kernel
-  static constexpr int32_t kVersion = 5;
+  // 2: the persistent kernel's schedule; 3: kv_stages; 4: WorkItem context; 5: merges in the decode kernel; 6: streamed
+  // merges (merge_flags)
+  static constexpr int32_t kVersion = 6;
   int32_t version = kVersion;
   PlanKind kind = PlanKind::kDecode;
   Device device{};
