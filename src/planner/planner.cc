@@ -312,12 +312,12 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     // so every re-plan of the batch size keeps the workspace layout and launches a captured graph holds.
     if (kind == PlanKind::kDecode && !a.options.deterministic && !a.options.disable_split) {
       const detail::Backend::DecodeMerge dm = backend.decode_merge(shape, plan.kv_stages);
+      const int64_t row_blocks =
+          dm.cta_rows > 0 ? (static_cast<int64_t>(plan.qo_tile) * group + dm.cta_rows - 1) / dm.cta_rows : 0;
       if (dm.cta_rows > 0 && static_cast<int64_t>(plan.batch_size) * shape.num_kv_heads <= dm.stream_max_pairs) {
-        const int64_t row_blocks = (static_cast<int64_t>(plan.qo_tile) * group + dm.cta_rows - 1) / dm.cta_rows;
         plan.merge_flags = static_cast<int64_t>(plan.item_capacity) * shape.num_kv_heads * row_blocks;
       } else if (planner::decode_merges_in_kernel(in, std::min(dm.cta_rows, plan.qo_tile * group), shape.head_dim_vo,
                                            dm.smem_bytes, in.waves == 1 ? dm.small_batch_passes : dm.passes)) {
-        const int64_t row_blocks = (static_cast<int64_t>(plan.qo_tile) * group + dm.cta_rows - 1) / dm.cta_rows;
         plan.merge_counters = static_cast<int64_t>(plan.merge_capacity) * shape.num_kv_heads * row_blocks;
       }
     }

@@ -958,14 +958,11 @@ TEST(CudaKernelMerge, ChosenByBatchShape) {
   EXPECT_EQ(wide.merge_counters, 0) << wide.describe();
 }
 
-// Runs `s` twice on one workspace with the kernel's merge: right against the float64 reference, the counters back
-// at zero after each run, and the second run gives the first run's bits. Returns the plan.
-AttentionPlan expect_kernel_merge(CaseSpec s) {
-  Case c = make_case(s);
-  DeviceCase dev(c);
-  AttentionPlan plan = cuda_decode_plan(c);
-  EXPECT_GT(plan.merge_counters, 0) << plan.describe();
-  if (plan.merge_counters == 0) return plan;
+// Runs `c` twice on one workspace: right against the float64 reference, the `count` int32 words at `offset` in the
+// workspace (the merges' counters or flags: `what`) back at zero after each run, and the second run gives the
+// first run's bits.
+void expect_merges_run_twice(Case& c, DeviceCase& dev, AttentionPlan& plan, int64_t count,
+                             size_t offset, const char* what) {
   const UploadedPlan uploaded(plan);
   std::vector<uint8_t> first;
   for (int run_index = 0; run_index < 2; ++run_index) {
@@ -976,13 +973,23 @@ AttentionPlan expect_kernel_merge(CaseSpec s) {
       first = checked.bytes;
     else
       EXPECT_TRUE(checked.bytes == first) << "run 1 differs from run 0";
-    std::vector<int32_t> counters(static_cast<size_t>(plan.merge_counters), -1);
-    EXPECT_EQ(cudaSuccess, cudaMemcpy(counters.data(),
-                                      static_cast<char*>(uploaded.ws) + detail::plan_layout(plan).merge_counters,
-                                      counters.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    EXPECT_EQ(std::count(counters.begin(), counters.end(), 0), static_cast<long>(counters.size()))
-        << "run " << run_index << ": merge counters left non-zero";
+    std::vector<int32_t> words(static_cast<size_t>(count), -1);
+    EXPECT_EQ(cudaSuccess, cudaMemcpy(words.data(), static_cast<char*>(uploaded.ws) + offset,
+                                      words.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::count(words.begin(), words.end(), 0), static_cast<long>(words.size()))
+        << "run " << run_index << ": " << what << " left non-zero";
   }
+}
+
+// Runs `s` twice on one workspace with the kernel's merge (expect_merges_run_twice: the counters). Returns the plan.
+AttentionPlan expect_kernel_merge(CaseSpec s) {
+  Case c = make_case(s);
+  DeviceCase dev(c);
+  AttentionPlan plan = cuda_decode_plan(c);
+  EXPECT_GT(plan.merge_counters, 0) << plan.describe();
+  if (plan.merge_counters == 0) return plan;
+  expect_merges_run_twice(c, dev, plan, plan.merge_counters, detail::plan_layout(plan).merge_counters,
+                          "merge counters");
   return plan;
 }
 
@@ -1027,8 +1034,7 @@ bool streamed_merges(int head_dim = 128) {
   return kernel_merge_mode() == "stream" || (kernel_merge_mode() == "1" && head_dim == 128);
 }
 
-// Runs `s` twice on one workspace with streamed merges: right against the float64 reference, every flag back at zero
-// after each run, and the second run gives the first run's bits. Returns the plan.
+// Runs `s` twice on one workspace with streamed merges (expect_merges_run_twice: the flags). Returns the plan.
 AttentionPlan expect_streamed_merge(CaseSpec s) {
   Case c = make_case(s);
   DeviceCase dev(c);
@@ -1037,22 +1043,7 @@ AttentionPlan expect_streamed_merge(CaseSpec s) {
   EXPECT_GT(plan.merge_flags, 0) << plan.describe();
   EXPECT_EQ(plan.merge_counters, 0) << plan.describe();
   if (plan.merge_flags == 0) return plan;
-  const UploadedPlan uploaded(plan);
-  std::vector<uint8_t> first;
-  for (int run_index = 0; run_index < 2; ++run_index) {
-    const CheckedRun checked = run_checked(c, dev, plan, uploaded.w);
-    EXPECT_TRUE(checked.verdict.ok) << "run " << run_index << ": " << checked.verdict.message
-                                    << "\n  plan: " << plan.describe();
-    if (run_index == 0)
-      first = checked.bytes;
-    else
-      EXPECT_TRUE(checked.bytes == first) << "run 1 differs from run 0";
-    std::vector<int32_t> flags(static_cast<size_t>(plan.merge_flags), -1);
-    EXPECT_EQ(cudaSuccess, cudaMemcpy(flags.data(), static_cast<char*>(uploaded.ws) + detail::plan_layout(plan).merge_flags,
-                                      flags.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    EXPECT_EQ(std::count(flags.begin(), flags.end(), 0), static_cast<long>(flags.size()))
-        << "run " << run_index << ": merge flags left non-zero";
-  }
+  expect_merges_run_twice(c, dev, plan, plan.merge_flags, detail::plan_layout(plan).merge_flags, "merge flags");
   return plan;
 }
 

@@ -167,9 +167,8 @@ __device__ __forceinline__ bool arrive_at_merge(const AttentionParams& p, const 
 __device__ __forceinline__ void publish_state(const AttentionParams& p, int item_index, int kv_head) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    int32_t* flag = p.merge_flags + (static_cast<int64_t>(kv_head) * gridDim.z + blockIdx.z) * p.item_capacity +
-                    item_index;
-    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(1) : "memory");
+    store_release_gpu(
+        p.merge_flags + (static_cast<int64_t>(kv_head) * gridDim.z + blockIdx.z) * p.item_capacity + item_index, 1);
   }
 }
 

@@ -212,16 +212,6 @@ __device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m
 // read by this CTA alone, which puts them back to zero for the next launch. Never waits on a flag a decode CTA will
 // not release: this grid starts only once every decode CTA has (launch_dependents), so every CTA it waits for is
 // resident or done, and each (item, KV head, row block) with rows publishes exactly once.
-__device__ __forceinline__ bool flag_set(const int32_t* flag) {
-  int32_t v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
-  return v != 0;
-}
-__device__ __forceinline__ float4 load_cg4(const float* p) {
-  float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-  return v;
-}
 
 // One merge's rows row0 .. row0 + rows - 1 (packed: token x head of the group) at kPairs (row, four dims) pairs a
 // thread (kThreads of them), kBatch states' loads in flight together (40 registers of them whatever kPairs).
@@ -249,7 +239,7 @@ __device__ __forceinline__ void stream_rows(const AttentionParams& p, const Merg
   const int q4 = 4 * (threadIdx.x % kQuads);  // kThreads is a multiple of kQuads: every pair's dims
   for (int k0 = 0; k0 < states;) {
     const int k = k0 + lane;
-    const bool ready = k >= states || flag_set(flags + k);
+    const bool ready = k >= states || load_acquire_gpu(flags + k) != 0;
     __syncwarp();  // the lanes' acquires order every lane's loads below (.cg: never a stale L1 line)
     const unsigned pending = ~__ballot_sync(0xffffffffu, ready);
     const int n = min(pending == 0u ? 32 : __ffs(pending) - 1, states - k0);
