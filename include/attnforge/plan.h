@@ -62,8 +62,8 @@ struct BatchPlanArgs {
 
 struct AttentionPlan {
   // 2: the persistent kernel's schedule; 3: kv_stages; 4: WorkItem context; 5: merges in the decode kernel; 6: streamed
-  // merges (merge_flags); 7: their flag sets (merge_flag_sets)
-  static constexpr int32_t kVersion = 7;
+  // merges (merge_flags)
+  static constexpr int32_t kVersion = 6;
   int32_t version = kVersion;
   PlanKind kind = PlanKind::kDecode;
   Device device{};
@@ -94,9 +94,6 @@ struct AttentionPlan {
   // one for each (KV head, block of the decode kernel's CTA rows, item) at capacity; the merge kernel runs beside the
   // decode kernel and folds each merge's states as their flags appear. Set from the batch size and shape alone.
   int64_t merge_flags = 0;
-  // The flags come in this many sets, one for each merge CTA that folds part of a block's rows (merge_flags counts all
-  // of them).
-  int32_t merge_flag_sets = 0;
   int32_t kv_chunk = 0;       // the longest KV piece of a split item (at least the planned chunk); 0: not split
   std::vector<int32_t> qo_indptr;  // [batch + 1]
   std::vector<int32_t> kv_len;     // [batch]

@@ -40,11 +40,8 @@ class Backend {
     int64_t smem_bytes = 0;
     int32_t passes = 0, small_batch_passes = 0;
     // Merges streamed instead (AttentionPlan::merge_flags: the merge kernel runs beside the decode kernel, which
-    // releases a flag per CTA state) in batches of at most this many (request, KV head) pairs; 0: never. A streaming
-    // merge CTA folds stream_cta_dims (row, dim) elements of a block of cta_rows rows, and reads a set of flags of
-    // its own (AttentionPlan::merge_flag_sets).
+    // releases a flag per CTA state) in batches of at most this many (request, KV head) pairs; 0: never.
     int64_t stream_max_pairs = 0;
-    int32_t stream_cta_dims = 0;
   };
   virtual DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const {
     (void)shape, (void)kv_stages;

@@ -392,10 +392,7 @@ void detail::prepare_run(detail::PreparedRun& prepared, const AttentionPlan& pla
     p.items = reinterpret_cast<const WorkItem*>(base + l.items);
     if (plan.schedule_ctas > 0) p.schedule = reinterpret_cast<const int32_t*>(base + l.schedule);
     if (plan.merge_counters > 0) p.merge_counters = reinterpret_cast<int32_t*>(base + l.merge_counters);
-    if (plan.merge_flags > 0) {
-      p.merge_flags = reinterpret_cast<int32_t*>(base + l.merge_flags);
-      p.merge_flag_sets = plan.merge_flag_sets;
-    }
+    if (plan.merge_flags > 0) p.merge_flags = reinterpret_cast<int32_t*>(base + l.merge_flags);
   } else {
     host_view.qo_indptr = plan.qo_indptr.data();
     host_view.kv_len = plan.kv_len.data();

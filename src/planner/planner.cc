@@ -315,11 +315,7 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
       const int64_t row_blocks =
           dm.cta_rows > 0 ? (static_cast<int64_t>(plan.qo_tile) * group + dm.cta_rows - 1) / dm.cta_rows : 0;
       if (dm.cta_rows > 0 && static_cast<int64_t>(plan.batch_size) * shape.num_kv_heads <= dm.stream_max_pairs) {
-        const int64_t block_rows = std::min<int64_t>(dm.cta_rows, static_cast<int64_t>(plan.qo_tile) * group);
-        plan.merge_flag_sets =
-            static_cast<int32_t>((block_rows * shape.head_dim_vo + dm.stream_cta_dims - 1) / dm.stream_cta_dims);
-        plan.merge_flags =
-            static_cast<int64_t>(plan.item_capacity) * shape.num_kv_heads * row_blocks * plan.merge_flag_sets;
+        plan.merge_flags = static_cast<int64_t>(plan.item_capacity) * shape.num_kv_heads * row_blocks;
       } else if (planner::decode_merges_in_kernel(in, std::min(dm.cta_rows, plan.qo_tile * group), shape.head_dim_vo,
                                            dm.smem_bytes, in.waves == 1 ? dm.small_batch_passes : dm.passes)) {
         plan.merge_counters = static_cast<int64_t>(plan.merge_capacity) * shape.num_kv_heads * row_blocks;

@@ -172,14 +172,12 @@ struct AttentionParams {
   // itself in once its state is written; the CTA that arrives last merges the rows' states and writes the output,
   // and no merge kernel runs. Null: the merge kernel combines the states.
   int32_t* merge_counters;
-  // Decode plans whose merges are streamed (AttentionPlan::merge_flags > 0): merge_flag_sets sets of one flag for each
-  // (KV head, block of the decode kernel's CTA rows, item) at capacity, indexed
-  // (((set x KV heads + kv_head) x row blocks) + block) x item_capacity + item, zero between launches. A split CTA
-  // releases its flag in each set its rows need once its partial rows are written; the merge kernel, launched beside
-  // the decode grid, takes one set a CTA, folds each merge's states in KV order as their flags appear and puts its
-  // set's flags back to zero (merge_kernel.cuh, merge_streamed). Null: not streamed.
+  // Decode plans whose merges are streamed (AttentionPlan::merge_flags > 0): one flag for each (KV head, block of the
+  // decode kernel's CTA rows, item) at capacity, indexed ((kv_head x row blocks) + block) x item_capacity + item, zero
+  // between launches. A split CTA releases its flag once its partial rows are written; the merge kernel, launched
+  // beside the decode grid, folds each merge's states in KV order as their flags appear and puts the flags back to
+  // zero (merge_kernel.cuh, merge_streamed). Null: not streamed.
   int32_t* merge_flags;
-  int32_t merge_flag_sets;
   int32_t programmatic_launch;  // AttentionOptions::programmatic_launch (host side: how the CUDA backend launches)
   // CUDA, Hopper prefill kernel (ATTNFORGE_PREFILL_TMA): K/V tiles copied by the tensor memory accelerator through
   // these maps (backends/cuda/tma.h) in boxes of tma_box_slots tokens of a page (ragged KV: a tile's rows in one

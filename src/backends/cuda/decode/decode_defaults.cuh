@@ -16,15 +16,6 @@ constexpr int kSmallBatchDecodeStages = 3;
 // Query rows of a decode CTA (one mma M tile; DecodeTraits::kRows): the planner keeps a merge's arrival counters
 // per block of them (Backend::decode_merge).
 constexpr int kDecodeCtaRows = 16;
-// Streamed merges (merge_kernel.cuh, merge_streamed): a merge CTA's warps own (row, 32 dims) units of a decode CTA's
-// rows, four a CTA. Such a CTA reads one set of the decode CTA's flags (AttentionParams::merge_flag_sets): set s
-// serves units 4 s .. 4 s + 3 of the block's rows x head_dim / 32, and a decode CTA releases only the sets of its
-// rows (stream_flag_sets), so every released flag has a reader, which zeroes it.
-constexpr int kStreamWarps = 4;
-constexpr int kStreamCtaDims = 32 * kStreamWarps;  // (row, dim) elements one merge CTA folds, one a thread
-ATTNFORGE_HOST_DEVICE constexpr int stream_flag_sets(int rows, int head_dim_vo) {
-  return (rows * head_dim_vo + kStreamCtaDims - 1) / kStreamCtaDims;
-}
 
 #if !defined(__CUDACC_RTC__)  // host code only (NVRTC takes no host functions)
 constexpr bool is_fp8(DType t) { return t == DType::kFloat8E4M3 || t == DType::kFloat8E5M2; }

@@ -162,17 +162,13 @@ __device__ __forceinline__ bool arrive_at_merge(const AttentionParams& p, const 
   return s_last != 0;
 }
 
-// Streamed merges (AttentionParams::merge_flags): releases this CTA's flag in each set its rows need
-// (stream_flag_sets: one merge CTA reads each) once every thread's partial rows are written (the barrier orders them
-// before the releases), for the merge kernel that runs beside this grid.
-template <int D>
-__device__ __forceinline__ void publish_state(const AttentionParams& p, int item_index, int kv_head, int rows) {
+// Streamed merges (AttentionParams::merge_flags): releases this CTA's flag once every thread's partial rows are
+// written (the barrier orders them before thread 0's release), for the merge kernel that runs beside this grid.
+__device__ __forceinline__ void publish_state(const AttentionParams& p, int item_index, int kv_head) {
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < min(p.merge_flag_sets, stream_flag_sets(rows, D))) {
-    const int64_t set_flags = static_cast<int64_t>(p.num_kv_heads) * gridDim.z * p.item_capacity;
-    store_release_gpu(p.merge_flags + threadIdx.x * set_flags +
-                          (static_cast<int64_t>(kv_head) * gridDim.z + blockIdx.z) * p.item_capacity + item_index,
-                      1);
+  if (threadIdx.x == 0) {
+    store_release_gpu(
+        p.merge_flags + (static_cast<int64_t>(kv_head) * gridDim.z + blockIdx.z) * p.item_capacity + item_index, 1);
   }
 }
 
@@ -729,7 +725,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
         merge_split_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), row0, rows, group, kv_head,
                              qo_start ATTNFORGE_TL(, tl_merge));
       else if (!kFp8 && p.merge_flags != nullptr && it.merge >= 0)
-        publish_state<D>(p, item_index, kv_head, rows);
+        publish_state(p, item_index, kv_head);
     }
     ATTNFORGE_TL(tl_lap(5);)
 

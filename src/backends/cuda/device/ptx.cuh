@@ -30,13 +30,6 @@ __device__ __forceinline__ float4 load_cg4(const float* p) {
 }
 // A flag between CTAs of different grids on one GPU: the release store orders the writer's earlier writes (and,
 // after a CTA barrier, its CTA's) before the flag; the acquire load orders the reader's later reads after it.
-// `p` through a move the compiler cannot see through: what is computed from it stays in the loop that asks for it,
-// not hoisted out as a loop invariant that holds registers across the loop.
-template <class T>
-__device__ __forceinline__ T* opaque(T* p) {
-  asm volatile("mov.b64 %0, %0;\n" : "+l"(p));
-  return p;
-}
 __device__ __forceinline__ void store_release_gpu(int32_t* p, int32_t v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }

@@ -15,11 +15,11 @@ namespace attnforge::cuda {
 // per (row, head) takes four heads per CTA; four warps per row, one head (merge_one_warp). Streamed merges
 // (merge_streamed) take the decode kernel's grid less its items: one CTA per (merge, KV head, block of its CTA rows).
 KernelDims merge_dims(const AttentionParams& p) {
-  if (p.merge_flags != nullptr) {  // streamed: one CTA per (merge, KV head, decode CTA's row block, flag set)
+  if (p.merge_flags != nullptr) {  // streamed: one CTA per (merge, KV head, decode CTA's row block)
     const int rows = p.qo_tile * (p.num_qo_heads / p.num_kv_heads);
     return {dim3(p.merge_capacity > 0 ? p.merge_capacity : 1, p.num_kv_heads,
-                 (rows + kDecodeCtaRows - 1) / kDecodeCtaRows * p.merge_flag_sets),
-            dim3(kStreamCtaDims), 0};
+                 (rows + kDecodeCtaRows - 1) / kDecodeCtaRows),
+            dim3(p.head_dim_vo <= 128 ? kStreamThreads<128> : kStreamThreads<256>), 0};
   }
   const unsigned row_blocks = static_cast<unsigned>(p.qo_tile < 1 ? 1 : p.qo_tile > 8 ? 8 : p.qo_tile);
   const unsigned head_blocks = merge_one_warp(p) ? (p.num_qo_heads + kMergeWarps - 1) / kMergeWarps : p.num_qo_heads;

@@ -200,105 +200,106 @@ __device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m
 }
 
 // Streamed merges (AttentionParams::merge_flags, decode): the merge runs beside the decode grid instead of after it.
-// The decode kernel releases flags per (item, KV head, block of its CTA rows) once that CTA's partial rows are
-// written, one in each flag set its rows need (stream_flag_sets), and lets this grid be scheduled from its first
-// instruction. A CTA here takes one (merge, KV head, row block, flag set): its warps own (row, 32 dims) units of the
-// block, a lane one dim. A warp polls a window of 32 states' flags (an acquire load per lane), loads every state
-// released since its last poll at once, wherever it lies in the window (a lane's dim of each, and lane k the LSE of
-// state k), and folds the loaded prefix in KV order, so the result's bits never depend on the order the states
-// arrive in. The decode grid's last states land together (its CTAs are balanced): after the last flag, one poll and
-// one trip for the states it released remain. (v22 loaded only the ready prefix, 8 states a trip: up to four trips
-// after the last flag, perf-notes v23. Relaxed polls with one acquire fence a ready batch, and sleeps between polls,
-// were slower: v22.) Each flag set is read by one CTA, which puts its flags back to zero for the next launch. Never
-// waits on a flag a decode CTA will not release: this grid starts only once every decode CTA has (launch_dependents),
-// so every CTA it waits for is resident or done, and each (item, KV head, row block) with rows publishes its sets
-// exactly once.
+// The decode kernel releases one flag per (item, KV head, block of its CTA rows) once that CTA's partial rows are
+// written, and lets this grid be scheduled from its first instruction; a CTA here takes one (merge, KV head, row
+// block), the rows of exactly one decode CTA of each state, and folds the states in KV order as their flags appear,
+// so when the last state lands only its own trip and one update remain (the decode kernel's own merge waited for the
+// last state, then fetched all of them and reduced them: 3.8 us of the 1 x 32768 step, perf-notes v21).
+// A thread owns (row, four dims) pairs; each warp polls a window of 32 flags (an acquire load per lane, a ballot for
+// the ready prefix) and, between polls, updates its pairs' running (m, l, o) a batch of states at a time. (Relaxed
+// polls with one acquire fence a ready batch, and shorter sleeps, made it slower together with a later launch of
+// this grid: perf-notes v22.) The flags are
+// read by this CTA alone, which puts them back to zero for the next launch. Never waits on a flag a decode CTA will
+// not release: this grid starts only once every decode CTA has (launch_dependents), so every CTA it waits for is
+// resident or done, and each (item, KV head, row block) with rows publishes exactly once.
 
-// Folds packed row r (token x head of the group) of merge `mi`, dims 32 c .. 32 c + 31, and writes them out.
-template <int D>
-__device__ __forceinline__ void stream_unit(const AttentionParams& p, const MergeItem& mi, int32_t* flags,
-                                            int first_row, int qo_start, int r, int c, long long* tl_seen) {
+// One merge's rows row0 .. row0 + rows - 1 (packed: token x head of the group) at kPairs (row, four dims) pairs a
+// thread (kThreads of them), kBatch states' loads in flight together (40 registers of them whatever kPairs).
+template <int D, int kThreads, int kPairs>
+__device__ __forceinline__ void stream_rows(const AttentionParams& p, const MergeItem& mi, int32_t* flags,
+                                            int first_row, int qo_start, int row0, int rows, long long* tl_seen) {
+  constexpr int kQuads = D / 4, kBatch = 8 / kPairs;
   const int heads = p.num_qo_heads, group = heads / p.num_kv_heads, kv_head = static_cast<int>(blockIdx.y);
   const int lane = threadIdx.x % 32, states = mi.num_items, nq = mi.qo_end - mi.qo_begin;
-  // State k of packed row r is partial row first_row + k x nq + r / group (WorkItem::merge_row0): its LSE at
-  // lse_row + k x lse_step, its O row D times that.
+  // State k of packed row r is partial row first_row + k x nq + r / group (WorkItem::merge_row0); a pair's element
+  // of state k is (its row's) LSE at lse_row + k x nq x heads, its O quad D times that plus 4 q.
   const int64_t lse_step = static_cast<int64_t>(nq) * heads;
-  const int64_t lse_row = static_cast<int64_t>(first_row + r / group) * heads + kv_head * group + r % group;
-  const int dim = 32 * c + lane;
-  const int o_step = nq * heads * D;  // a window's offsets (32 states) fit in 32 bits
-  float m = -ATTNFORGE_INFINITY, l = 0.f, acc = 0.f;
-  for (int k0 = 0; k0 < states; k0 += 32) {
-    const int n = min(32, states - k0);
-    const unsigned window = n == 32 ? 0xffffffffu : (1u << n) - 1u;
-    const float* const lse_k = p.partial_lse + lse_row + k0 * lse_step;
-    const float* const o_k = p.partial_o + (lse_row + k0 * lse_step) * D + dim;
-    float v[32];
+  int lse_row[kPairs];
+  float m[kPairs], l[kPairs];
+  float4 acc[kPairs];
+  bool any = false;
 #pragma unroll
-    for (int s = 0; s < 32; ++s) v[s] = 0.f;
-    float my_lse = -ATTNFORGE_INFINITY;  // lane s: state k0 + s's
-    unsigned loaded = 0u;
-    const int groups = (n + 7) / 8;
-    int folded = 0;  // groups of 8 states folded
-    for (;;) {
-      const bool poll = lane < n && !((loaded >> lane) & 1u);
-      const bool ready = poll && load_acquire_gpu(flags + k0 + lane) != 0;
-      // The groups of 8 states the last trips loaded, folded in KV order while this poll is out. A group's maximum,
-      // weights and weight sum take one pass of the warp for all groups (lane s holds state s's LSE; lanes of
-      // states not loaded hold -inf and weigh 0), then its O a chain of 8 products, then one rescale joins it to
-      // the running state: the groups are fixed, so the bits never depend on when the states arrived. (State by
-      // state, the fold was a chain of 32 dependent updates a window, about 2000 cycles.)
-      float g_max = my_lse;
-      for (int o = 1; o < 8; o <<= 1) g_max = fmaxf(g_max, __shfl_xor_sync(0xffffffffu, g_max, o));
-      const float w_lane = my_lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(my_lse - g_max);
-      float g_sum = w_lane;
-      for (int o = 1; o < 8; o <<= 1) g_sum += __shfl_xor_sync(0xffffffffu, g_sum, o);
-      const unsigned have = loaded | ~window;
-#pragma unroll
-      for (int g = 0; g < 4; ++g) {
-        if (g == folded && g < groups && ((have >> (8 * g)) & 0xffu) == 0xffu) {  // warp-uniform
-          const float gm = __shfl_sync(0xffffffffu, g_max, 8 * g), gl = __shfl_sync(0xffffffffu, g_sum, 8 * g);
-          float ga = 0.f;
-#pragma unroll
-          for (int s = 0; s < 8; ++s) ga = fmaf(__shfl_sync(0xffffffffu, w_lane, 8 * g + s), v[8 * g + s], ga);
-          if (gm != -ATTNFORGE_INFINITY) {  // else every state of the group is empty
-            const float m_new = fmaxf(m, gm);
-            const float scale = exp2f(m - m_new), scale_g = exp2f(gm - m_new);  // 0 while m is -inf
-            l = l * scale + gl * scale_g;
-            acc = acc * scale + ga * scale_g;
-            m = m_new;
-          }
-          folded = g + 1;
-        }
-      }
-      if (folded == groups) break;
-      __syncwarp();  // the lanes' acquires order every lane's loads below (.cg: never a stale L1 line)
-      const unsigned fresh = __ballot_sync(0xffffffffu, ready);
-      if (ready) my_lse = load_cg(lse_k + lane * lse_step);
-      // The addresses step from a base the compiler cannot hoist: hoisted out of the polls, 32 of them took 64
-      // registers (168 and spills; 118 in v22's kernel).
-      const float* q = opaque(o_k);
-#pragma unroll
-      for (int s = 0; s < 32; ++s, q += o_step)
-        if ((fresh >> s) & 1u) v[s] = load_cg(q);
-      loaded |= fresh;
-      if (fresh == 0u) __nanosleep(160);  // nothing new: fewer polls while the decode grid streams
-      ATTNFORGE_TL(if (loaded == window && k0 + n == states) *tl_seen = global_ns();)
-    }
+  for (int j = 0; j < kPairs; ++j) {
+    const int i = threadIdx.x + j * kThreads, r = row0 + i / kQuads;
+    lse_row[j] = i < rows * kQuads ? (first_row + r / group) * heads + kv_head * group + r % group : -1;
+    any |= lse_row[j] >= 0;
+    m[j] = -ATTNFORGE_INFINITY, l[j] = 0.f, acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  const int tok = mi.qo_begin + r / group, h = kv_head * group + r % group;
-  float lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
-  const float f = (l > 0.f ? 1.f / l : 0.f) * apply_sink(p.variant, h, &lse);
-  store_element(p.o, p.o_dtype, (qo_start + tok) * p.o_stride_token + h * p.o_stride_head + dim, acc * f);
-  if (p.lse && dim == 0) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
+  if (!__any_sync(0xffffffffu, any)) return;  // warp-uniform: no pair in this warp
+  const int q4 = 4 * (threadIdx.x % kQuads);  // kThreads is a multiple of kQuads: every pair's dims
+  for (int k0 = 0; k0 < states;) {
+    const int k = k0 + lane;
+    const bool ready = k >= states || load_acquire_gpu(flags + k) != 0;
+    __syncwarp();  // the lanes' acquires order every lane's loads below (.cg: never a stale L1 line)
+    const unsigned pending = ~__ballot_sync(0xffffffffu, ready);
+    const int n = min(pending == 0u ? 32 : __ffs(pending) - 1, states - k0);
+    if (n == 0) continue;  // a poll is one L2 trip a warp (a 100 ns sleep between polls: the last state seen 2.7 us
+                           // after the decode grid's end, per-CTA timelines of 1 x 32768, H200)
+    ATTNFORGE_TL(if (k0 + n == states) *tl_seen = global_ns();)
+    for (int u0 = 0; u0 < n; u0 += kBatch) {
+      float lse[kBatch][kPairs];
+      float4 o[kBatch][kPairs];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) {
+          const int64_t e = lse_row[j] + (k0 + u0 + u) * lse_step;
+          const bool load = lse_row[j] >= 0 && u0 + u < n;
+          lse[u][j] = load ? load_cg(p.partial_lse + e) : -ATTNFORGE_INFINITY;
+          o[u][j] = load ? load_cg4(p.partial_o + e * D + q4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) {
+          const float m_new = fmaxf(m[j], lse[u][j]);
+          if (m_new == -ATTNFORGE_INFINITY) continue;  // every state so far is empty
+          const float scale = exp2f(m[j] - m_new);     // 0 while m is -inf (acc and l are 0 then)
+          const float w = lse[u][j] == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse[u][j] - m_new);
+          l[j] = l[j] * scale + w;
+          acc[j].x = acc[j].x * scale + w * o[u][j].x, acc[j].y = acc[j].y * scale + w * o[u][j].y;
+          acc[j].z = acc[j].z * scale + w * o[u][j].z, acc[j].w = acc[j].w * scale + w * o[u][j].w;
+          m[j] = m_new;
+        }
+    }
+    k0 += n;
+  }
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    if (lse_row[j] < 0) continue;
+    const int r = row0 + (threadIdx.x + j * kThreads) / kQuads;
+    const int tok = mi.qo_begin + r / group, h = kv_head * group + r % group;
+    float lse = l[j] > 0.f ? m[j] + log2f(l[j]) : -ATTNFORGE_INFINITY;
+    const float f = (l[j] > 0.f ? 1.f / l[j] : 0.f) * apply_sink(p.variant, h, &lse);
+    const int64_t out = (qo_start + tok) * p.o_stride_token + h * p.o_stride_head + q4;
+    store_element(p.o, p.o_dtype, out, acc[j].x * f);
+    store_element(p.o, p.o_dtype, out + 1, acc[j].y * f);
+    store_element(p.o, p.o_dtype, out + 2, acc[j].z * f);
+    store_element(p.o, p.o_dtype, out + 3, acc[j].w * f);
+    if (p.lse && q4 == 0) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
+  }
 }
+
+// A CTA's threads: four pairs a thread at most (head_dim 256: 256 threads).
+template <int D>
+constexpr int kStreamThreads = D <= 128 ? kMergeThreads : 2 * kMergeThreads;
 
 template <int D>
 __device__ __forceinline__ void merge_streamed(const AttentionParams& p) {
-  constexpr int kRows = kDecodeCtaRows, kChunks = D / 32;
+  constexpr int kRows = kDecodeCtaRows, kQuads = D / 4, kThreads = kStreamThreads<D>;
+  static_assert(kThreads % kQuads == 0 && (kRows * kQuads) % kThreads == 0, "whole rows a pass");
   const PlanView& plan = *p.plan;
-  const int group = p.num_qo_heads / p.num_kv_heads, sets = p.merge_flag_sets, warp = threadIdx.x / 32;
-  const int set = static_cast<int>(blockIdx.z) % sets, block = static_cast<int>(blockIdx.z) / sets;
-  const int row0 = block * kRows, row_blocks = static_cast<int>(gridDim.z) / sets;
+  const int group = p.num_qo_heads / p.num_kv_heads, row0 = static_cast<int>(blockIdx.z) * kRows;
   // The next kernel on the stream (a programmatic dependent: the next decode call) may be scheduled now; it waits
   // for this grid's end before it reads or writes anything this grid touches.
   grid_launch_dependents();
@@ -306,19 +307,23 @@ __device__ __forceinline__ void merge_streamed(const AttentionParams& p) {
   for (int mi_index = blockIdx.x; mi_index < plan.num_merges; mi_index += gridDim.x) {
     const MergeItem mi = plan.merges[mi_index];
     const int rows = min(kRows, (mi.qo_end - mi.qo_begin) * group - row0);
-    if (set >= stream_flag_sets(rows, D)) continue;  // no decode CTA released this set (or no rows in this block)
+    if (rows <= 0) continue;  // no decode CTA of this row block either
     const int first_row = plan.items[mi.first_item].partial_row;
     const int qo_start = plan.qo_indptr[mi.request];
     int32_t* const flags =
-        p.merge_flags +
-        ((static_cast<int64_t>(set) * p.num_kv_heads + blockIdx.y) * row_blocks + block) * p.item_capacity +
-        mi.first_item;
+        p.merge_flags + (blockIdx.y * static_cast<int64_t>(gridDim.z) + blockIdx.z) * p.item_capacity + mi.first_item;
     long long* seen = nullptr;
     ATTNFORGE_TL(seen = &tl_seen;)
-    const int u = set * kStreamWarps + warp;  // this warp's unit of the block
-    if (u < rows * kChunks) stream_unit<D>(p, mi, flags, first_row, qo_start, row0 + u / kChunks, u % kChunks, seen);
-    __syncthreads();  // every warp has read the flags (the set's first warp has units: stream_flag_sets)
-    for (int k = threadIdx.x; k < mi.num_items; k += kStreamCtaDims) flags[k] = 0;
+    constexpr int kMaxPairs = kRows * kQuads / kThreads;  // 2 at head_dim 64, else 4
+    const int pairs = (rows * kQuads + kThreads - 1) / kThreads;
+    if (pairs <= 1)
+      stream_rows<D, kThreads, 1>(p, mi, flags, first_row, qo_start, row0, rows, seen);
+    else if (pairs <= 2 || kMaxPairs <= 2)
+      stream_rows<D, kThreads, 2>(p, mi, flags, first_row, qo_start, row0, rows, seen);
+    else
+      stream_rows<D, kThreads, kMaxPairs>(p, mi, flags, first_row, qo_start, row0, rows, seen);
+    __syncthreads();  // every warp has read the flags
+    for (int k = threadIdx.x; k < mi.num_items; k += kThreads) flags[k] = 0;
     ATTNFORGE_TL(++tl_merges;)
   }
   ATTNFORGE_TL(if (long long* f = timeline_slot(); f && threadIdx.x == 0) {
@@ -342,10 +347,9 @@ __global__ void __launch_bounds__(kMergeThreads, 5) merge_kernel(const Attention
 }
 
 // Streamed merges (merge_streamed), over merge_dims' grid; launched as a programmatic dependent of the decode kernel
-// where the GPU has it, else after it (every flag is then set when a CTA starts). A thread holds one dim's (m, l, o)
-// and up to 32 states' values of it (116 registers at sm_90a; without the minimum of one CTA an SM, ptxas kept sm_80's
-// code at 96 and spilled 72 bytes).
-__global__ void __launch_bounds__(kStreamCtaDims, 1) merge_stream_kernel(const AttentionParams p) {
+// where the GPU has it, else after it (every flag is then set when a CTA starts). No register cap: a CTA holds up to
+// 16 rows and its (m, l, o) of up to 4 pairs a thread (kStreamThreads), and its grid is the decode grid's merges.
+__global__ void __launch_bounds__(2 * kMergeThreads) merge_stream_kernel(const AttentionParams p) {
   switch (p.head_dim_vo) {
     case 64: merge_streamed<64>(p); break;
     case 128: merge_streamed<128>(p); break;
