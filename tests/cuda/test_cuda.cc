@@ -796,7 +796,9 @@ TEST(CudaWgmma, PlansBalanceOverTheKernelThatRunsTheirTiles) {
   const AttentionPlan on_long = plan_with(cuda::PrefillWgmma::kAuto, long_kv);
   const AttentionPlan off_long = plan_with(cuda::PrefillWgmma::kOff, long_kv);
   EXPECT_EQ(on_long.tile_rows, 128) << on_long.describe();
-  if (major == 9 && minor == 0)
+  // The pipelined (persistent) form is nvcc's only: under ATTNFORGE_KERNELS=nvrtc every prefill kernel is the
+  // portable one, so the planner has nothing else to balance over and both plans must be the same.
+  if (major == 9 && minor == 0 && jit::cuda_kernels() != jit::CudaKernels::kNvrtc)
     EXPECT_GT(on_long.kv_chunk, off_long.kv_chunk) << on_long.describe() << "\n" << off_long.describe();
   else
     EXPECT_EQ(on_long.describe(), off_long.describe());

@@ -856,13 +856,10 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
               tma::load_3d(sQ + qb * Tr::kQBytes + panel * (Tr::kRows * 128), &p.tma_q, 64 * panel, kv_head * group,
                            m.qo_start + it.qo_begin + row0 / group, &q_full[qb]);
             ATTNFORGE_TRACE(tr_qt[2] = clock64();)
-          } else {
-            mbar::arrive(&q_full[qb]);
           }
         } else {
           load_query_rows<D, Tr::kRows, 128, true>(p, it, m.qo_start, row0, m.rows, group, kv_head,
                                                    reinterpret_cast<uint16_t*>(sQ + qb * Tr::kQBytes));
-          mbar::arrive_on_copies(&q_full[qb]);
           ATTNFORGE_TRACE(tr_qt[2] = clock64();)
         }
       }
@@ -887,11 +884,20 @@ __device__ __forceinline__ void prefill_wgmma_pipelined_body(const AttentionPara
       hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, 16));
       if (lane == 0) s_range[parity][warp] = make_int2(lo, hi);
       mbar::named_sync(1, 128);  // also: every copier thread is done with the last item's offset slots
-      if constexpr (kCopierQ)
+      // q_full's 129 arrivals, each after the thread's own write of s_qinfo and the named barrier (so
+      // compute-sanitizer's racecheck sees every write ordered before the computing warps' reads): thread 0's
+      // expect-tx (with the boxes of Q) and one plain arrival each of the other threads, or with cp.async every
+      // thread's arrival on its copies; then thread 0's second, which the phase needs in both forms.
+      if constexpr (kCopierQ) {
+        if (!p.tma_q_rows)
+          mbar::arrive_on_copies(&q_full[qb]);
+        else if (threadIdx.x != 0)
+          mbar::arrive(&q_full[qb]);
         if (threadIdx.x == 0) {
           ATTNFORGE_TRACE(tr_qt[3] = clock64(); for (int i = 0; i < 4; ++i) s_qtrace[qb][i] = tr_qt[i];)
           mbar::arrive(&q_full[qb]);  // after every copier warp's bounds (the named barrier)
         }
+      }
       int range_lo = it.kv_end, range_hi = it.kv_begin;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
