@@ -7,12 +7,17 @@
 //
 // fp8 K/V (KV = E4M3 or E5M2) stream into shared memory as raw codes, half the bytes of a 16-bit tile, and are
 // converted to fp16 in registers, exactly (device/fp8.cuh), right after ldmatrix; the fp8 kernels multiply in fp16
-// whatever Q's type (bf16 Q rows are stored as fp16 with a power-of-two row scale, load_query_rows_permuted):
-//   K: an ldmatrix of fp8 rows gives each thread 4 consecutive head dims of one token; Q's head dims are
-//      permuted in shared memory to match (load_query_rows_permuted), so the B fragments need no shuffle.
-//   V: ldmatrix.trans of fp8 rows gives each thread 2 tokens x 2 adjacent head dims; one byte permute makes a
-//      B fragment of the even dim and one of the odd dim, so each 16-dim block runs as an n8 tile of its even
-//      dims and one of its odd dims, and the merge writes the output dims back in order.
+// whatever Q's type (bf16 Q rows are stored as fp16 with a power-of-two row scale, load_query_rows_permuted).
+// Their products are transposed: S^T = K Q^T and O^T = V^T P^T, so the 16 tokens of a warp (and the head dims)
+// are the M side and the query rows the N side, one n8 tile per 8 rows: a CTA of 8 rows or fewer (GQA groups of
+// up to 8 with one query token: most decode) issues half the mma, exp2 and softmax work of an m16 row tile, of
+// which the fp8 kernels, issue-bound where 16-bit K/V is bound by the bus, spent the half on empty rows.
+//   K: an ldmatrix of fp8 rows gives each thread 4 consecutive head dims of one token, the A fragment's k pairs
+//      2q and 2q + 8; Q's head dims are permuted in shared memory to match (load_query_rows_permuted).
+//   V: ldmatrix.trans of fp8 rows gives each thread 2 tokens x 2 adjacent head dims; one byte permute makes the
+//      A fragment's rows c (dim 2c) and c + 8 (dim 2c + 1), so a 16-dim block's output rows come in the order
+//      0, 2, .., 14, 1, 3, .., 15, and the finish writes them back in order.
+//   P: the S^T accumulators, packed to fp16, are P^T's B fragments once transposed by movmatrix.
 // Fused RoPE is not built for fp8 K/V (CudaBackend::check refuses it).
 #pragma once
 
@@ -347,8 +352,12 @@ __device__ __forceinline__ void finish_rows_variant(const AttentionParams& p, co
   }
 }
 
-template <class Tr, class V>
-__device__ __forceinline__ void decode_body(const AttentionParams& p, const VariantArgs& va) {
+// kRowPass: 0 (16-bit K/V) takes every item. The fp8 kernels run two passes over the same items (decode_fp8), as
+// their tile loop's n8 tiles of rows are a constant: pass 1 takes the CTAs' items of 8 rows or fewer (one n8 tile)
+// and returns whether it left any, pass 2 takes the others (two n8 tiles). A runtime tile count inside one loop
+// left the idle tile's mma predicated off, which costs their issue slots all the same.
+template <class Tr, class V, int kRowPass = 0>
+__device__ __forceinline__ bool decode_body(const AttentionParams& p, const VariantArgs& va) {
   constexpr bool kCustom = IsCustomVariant<V>::value;
   constexpr bool kSoftmax = V::kSoftmax;
   using Elem = typename Tr::Elem;
@@ -363,6 +372,9 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   uint8_t* sV = sK + Tr::kStages * Tr::kTileBytes;
   __shared__ float s_freqs[D / 2];  // RoPE frequencies, when on
   __shared__ float s_qscale[Tr::kRows];  // fp8: each Q row's scale 2^s (1 for fp16 Q)
+  // fp8: each row's token, head, position and KV range [lo, hi), which the 16-bit kernels keep in registers (an fp8
+  // thread holds 4 rows: in registers they pushed the head_dim 128 kernels past their 168 and into spills).
+  __shared__ int s_row_info[kFp8 ? 5 : 1][Tr::kRows];
 
   const PlanView& plan = *p.plan;
   const KVParams& kv = p.kv;
@@ -402,6 +414,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
   // compiled into them this code cost fp8 64 x 8192 3-5% (their registers moved).
   if constexpr (!kFp8)
     if (p.merge_flags != nullptr) grid_launch_dependents();
+  bool left = false;  // an item left to the other row pass
   for (int item_index = linear / p.num_kv_heads;; item_index += gridDim.x) {
     WorkItem it{};
     if (item_index < p.item_capacity) it = p.items[item_index];
@@ -409,6 +422,12 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     using Loader = KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes>;
     ItemRows m;
     if (!item_rows<Tr::kRows>(it, group, row0, m)) continue;
+    if constexpr (kRowPass != 0) {
+      if ((m.rows <= 8) != (kRowPass == 1)) {
+        left = true;
+        continue;
+      }
+    }
     // Launched as a programmatic dependent (decode_programmatic_launch), the CTA may run while the kernel before it
     // on the stream is finishing: the plan's metadata above (written only by upload_plan's copy) is read before this
     // wait, and everything the caller gives (the page table, Q, K/V, option tensors) after it, as is every write. A
@@ -427,12 +446,18 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     // before the K/V copies: after them, the 1 x 2048 step (one CTA an SM) lost 0.2-0.5 us as a graph (H200, d2a8d43).
     if constexpr (!kFp8) load_query_rows<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);
 
-    // The two rows this thread holds in the mma fragments: lane / 4 and lane / 4 + 8.
-    int r_tok[2], r_head[2], r_pos[2], r_lo[2], r_hi[2];
+    // The rows this thread holds in the mma fragments (kThreadRows, row_of): 16-bit K/V, lane / 4 and lane / 4 + 8
+    // (the rows are S = Q K^T's M dimension); fp8 K/V, 2 (lane % 4) and 2 (lane % 4) + 1 of each n8 tile of rows
+    // (S^T = K Q^T's N dimension: see the fp8 tile below). kNT: the n8 tiles of rows the fp8 kernels compute
+    // (one for the usual decode CTA of 8 rows or fewer, such as a GQA group of 4 or 8 and one query token).
+    constexpr int kThreadRows = kFp8 ? 4 : 2;
+    constexpr int kNT = kRowPass == 1 ? 1 : 2;
+    auto row_of = [&](int h) { return kFp8 ? 8 * (h / 2) + 2 * (lane % 4) + h % 2 : lane / 4 + 8 * h; };
+    int r_tok[kThreadRows], r_head[kThreadRows], r_pos[kThreadRows], r_lo[kThreadRows], r_hi[kThreadRows];
     int range_lo = it.kv_end, range_hi = it.kv_begin;
     int max_lo = it.kv_begin, min_hi = it.kv_end;  // the KV every valid row allows
-    for (int h = 0; h < 2; ++h) {
-      const int r = lane / 4 + 8 * h;
+    for (int h = 0; h < kThreadRows; ++h) {
+      const int r = row_of(h);
       const QueryRow q = query_row(it, row0 + r, group, kv_head);
       r_tok[h] = q.tok;
       r_head[h] = q.head;
@@ -443,8 +468,14 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
       }
       if (r < rows) max_lo = max(max_lo, r_lo[h]), min_hi = min(min_hi, r_hi[h]);
       if (r_lo[h] < r_hi[h]) range_lo = min(range_lo, r_lo[h]), range_hi = max(range_hi, r_hi[h]);
+      if constexpr (kFp8) {  // lanes 0-3 of a warp hold every row; read after the main loop's first barrier
+        if (warp == 0 && lane < 4) {
+          s_row_info[0][r] = r_tok[h], s_row_info[1][r] = r_head[h], s_row_info[2][r] = r_pos[h];
+          s_row_info[3][r] = r_lo[h], s_row_info[4][r] = r_hi[h];
+        }
+      }
     }
-    // Every lane holds two of the 16 rows and lanes 0..31 cover all of them: a warp reduction gives the union.
+    // Every lane holds some of the 16 rows and lanes 0..31 cover all of them: a warp reduction gives the union.
     for (int o = 16; o > 0; o >>= 1) {
       range_lo = min(range_lo, __shfl_xor_sync(0xffffffffu, range_lo, o));
       range_hi = max(range_hi, __shfl_xor_sync(0xffffffffu, range_hi, o));
@@ -464,7 +495,8 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     for (int n = 0; n < D / 8; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
     // Without softmax the running maximum stays 0, so the warps' sums meet unscaled.
     const float m_init = kSoftmax ? -ATTNFORGE_INFINITY : 0.f;
-    float m_run[2] = {m_init, m_init}, l_run[2] = {0.f, 0.f};
+    float m_run[kThreadRows], l_run[kThreadRows];
+    for (int h = 0; h < kThreadRows; ++h) m_run[h] = m_init, l_run[h] = 0.f;
 
     for (int s = 0; s < Tr::kStages - 1; ++s) {
       if (s < num_tiles) {
@@ -481,7 +513,8 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     if constexpr (kFp8)
       load_query_rows_permuted<D, Tr::kRows, Tr::kThreads, Elem>(p, it, qo_start, row0, rows, group, kv_head, sQ,
                                                                  s_qscale);
-    float q_scale[2] = {1.f, 1.f};  // the rows lane / 4 and lane / 4 + 8, read once Q is published
+    float q_scale[kThreadRows];  // this thread's rows' (row_of), read once Q is published
+    for (int h = 0; h < kThreadRows; ++h) q_scale[h] = 1.f;
     bool q_scaled = false;          // warp-uniform: some row of this warp's has a scale
     const int rope_offset = rope && vp.rope.pos_offset ? vp.rope.pos_offset[b] : 0;
     if constexpr (!kFp8) {
@@ -515,8 +548,9 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
       })
       if constexpr (kQScaled) {
         if (t == 0) {
-          q_scale[0] = s_qscale[lane / 4], q_scale[1] = s_qscale[lane / 4 + 8];
-          q_scaled = __any_sync(0xffffffffu, q_scale[0] != 1.f || q_scale[1] != 1.f);
+          bool any = false;
+          for (int h = 0; h < kThreadRows; ++h) q_scale[h] = s_qscale[row_of(h)], any = any || q_scale[h] != 1.f;
+          q_scaled = __any_sync(0xffffffffu, any);
         }
       }
       const int next = t + Tr::kStages - 1;
@@ -555,25 +589,33 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
       // S = Q K^T for 16 rows x 16 tokens.
       float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
       if constexpr (kFp8) {
-        // One ldmatrix covers two 16-dim blocks: matrices (tokens 0-7, block kk), (8-15, kk), (0-7, kk+1),
-        // (8-15, kk+1); each register converts to the (b0, b1) pair of one n8 tile.
+        // S^T = K Q^T: the warp's 16 tokens are the M rows, so the converted K codes are the A operand, and the
+        // query rows are N, an n8 tile per 8 rows (s_acc[nt]: tokens lane / 4 and lane / 4 + 8, rows 8 nt +
+        // 2 (lane % 4) + {0, 1}). A decode CTA's 4 or 8 rows then take one n8 tile, where an m16 tile of rows
+        // spent half its mma, exp2 and softmax work on empty rows. One K ldmatrix covers two 16-dim blocks:
+        // matrices (tokens 0-7, block kk), (8-15, kk), (0-7, kk+1), (8-15, kk+1); a register converts to 4
+        // consecutive dims of one token, (4q, 4q+1) and (4q+2, 4q+3) with q = lane % 4, which are A's k pairs 2q
+        // and 2q + 8 in Q's permuted dims (load_query_rows_permuted). One Q ldmatrix gives an n8 tile's B
+        // fragments of the same two blocks.
         for (int kk = 0; kk < D / 16; kk += 2) {
-          uint32_t kb[4];
+          uint32_t kb[4], qb[2][4];
           ldmatrix_x4(kb, k_tile + swizzle_bytes<Tr::kKVRowBytes>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2),
                                                                   kk + lane / 16));
+          for (int nt = 0; nt < 2; ++nt)
+            if (nt < kNT) ldmatrix_x4(qb[nt], sQ + swizzle<D>(8 * nt + lane % 8, 2 * kk + lane / 8));
           for (int h = 0; h < 2; ++h) {
-            uint32_t a[4], b0[2], b1[2];
-            ldmatrix_x4(a, sQ + swizzle<D>(lane % 16, 2 * (kk + h) + lane / 16));
-            fp8x4_to_pairs<typename Tr::KV>(kb[2 * h], b0, MmaElem{});
-            fp8x4_to_pairs<typename Tr::KV>(kb[2 * h + 1], b1, MmaElem{});
-            mma_16816(s_acc[0], a, b0[0], b0[1], MmaElem{});
-            mma_16816(s_acc[1], a, b1[0], b1[1], MmaElem{});
+            uint32_t lo[2], hi[2];  // tokens 0-7 and 8-15 of block kk + h
+            fp8x4_to_pairs<typename Tr::KV>(kb[2 * h], lo, MmaElem{});
+            fp8x4_to_pairs<typename Tr::KV>(kb[2 * h + 1], hi, MmaElem{});
+            const uint32_t a[4] = {lo[0], hi[0], lo[1], hi[1]};
+            for (int nt = 0; nt < 2; ++nt)
+              if (nt < kNT) mma_16816(s_acc[nt], a, qb[nt][2 * h], qb[nt][2 * h + 1], MmaElem{});
           }
         }
         if constexpr (kQScaled) {
           if (q_scaled)
             for (int nt = 0; nt < 2; ++nt)
-              for (int e = 0; e < 4; ++e) s_acc[nt][e] *= q_scale[e / 2];
+              for (int e = 0; e < 4; ++e) s_acc[nt][e] *= q_scale[2 * nt + e % 2];
         }
       } else {
         const uint16_t* k16 = reinterpret_cast<const uint16_t*>(k_tile);
@@ -586,30 +628,45 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
         }
       }
 
-      // Scale, transform and mask; then the online softmax update per row (two rows per thread).
+      // Scale, transform and mask; then the online softmax update per row (kThreadRows rows per thread).
       const int tile_start = range_lo + t * Tr::kTileTokens + tok0;
-      float tile_max[2] = {-ATTNFORGE_INFINITY, -ATTNFORGE_INFINITY};
+      float tile_max[kThreadRows];
+      for (int h = 0; h < kThreadRows; ++h) tile_max[h] = -ATTNFORGE_INFINITY;
+      // Element e of n8 tile nt: its row among this thread's (row_of) and its token in the warp's 16.
+      auto elem_row = [&](int nt, int e) { return kFp8 ? 2 * nt + e % 2 : e / 2; };
+      auto elem_token = [&](int nt, int e) {
+        return kFp8 ? lane / 4 + 8 * (e / 2) : nt * 8 + 2 * (lane % 4) + e % 2;
+      };
+      auto live = [&](int nt) { return nt < kNT; };
+      // The row's fields (fp8: from shared memory, s_row_info).
+      auto row_tok = [&](int h) { return kFp8 ? s_row_info[0][row_of(h)] : r_tok[h]; };
+      auto row_head = [&](int h) { return kFp8 ? s_row_info[1][row_of(h)] : r_head[h]; };
+      auto row_pos = [&](int h) { return kFp8 ? s_row_info[2][row_of(h)] : r_pos[h]; };
+      auto row_lo = [&](int h) { return kFp8 ? s_row_info[3][row_of(h)] : r_lo[h]; };
+      auto row_hi = [&](int h) { return kFp8 ? s_row_info[4][row_of(h)] : r_hi[h]; };
       // Interior tiles (every row allows all 16 tokens, no per-element transform or custom mask) skip the
       // per-element masking; the test is warp-uniform.
-      const bool plain = !kCustom && !transform && !vp.custom_mask && tile_start >= max_lo && tile_start + 16 <= min_hi;
+      const bool plain =
+          !kCustom && !transform && !vp.custom_mask && tile_start >= max_lo && tile_start + 16 <= min_hi;
       // Plain tiles keep raw logits: the scale (positive: run() validates sm_scale and k_scale) commutes with the
       // maximum and folds into the exponent's FMA below; masked tiles hold logits in log2 units already.
       const float s_mul = plain ? scale_log2 : 1.f;
       if (plain) {
         for (int nt = 0; nt < 2; ++nt)
-          for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s_acc[nt][e]);
-        tile_max[0] *= scale_log2;
-        tile_max[1] *= scale_log2;
+          if (live(nt))
+            for (int e = 0; e < 4; ++e) tile_max[elem_row(nt, e)] = fmaxf(tile_max[elem_row(nt, e)], s_acc[nt][e]);
+        for (int h = 0; h < kThreadRows; ++h) tile_max[h] *= scale_log2;
       } else {
         for (int nt = 0; nt < 2; ++nt)
           for (int e = 0; e < 4; ++e) {
-            const int h = e / 2;
-            const int j = tile_start + nt * 8 + 2 * (lane % 4) + (e % 2);
+            if (!live(nt)) continue;
+            const int h = elem_row(nt, e);
+            const int j = tile_start + elem_token(nt, e);
             float x = s_acc[nt][e];
-            bool allowed = j >= r_lo[h] && j < r_hi[h];
+            bool allowed = j >= row_lo(h) && j < row_hi(h);
             if constexpr (kCustom) {
               if (allowed) {
-                const LogitIndex li{b, r_tok[h], r_pos[h], j, kv_len, r_head[h], kv_head};
+                const LogitIndex li{b, row_tok(h), row_pos(h), j, kv_len, row_head(h), kv_head};
                 allowed = V::logits_mask(va, li);
                 if (allowed) x = V::logits_transform(va, li, x * vp.sm_scale * kv.k_scale);
               }
@@ -617,10 +674,10 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
               x = kSoftmax ? (allowed ? x * kLog2e : -ATTNFORGE_INFINITY) : (allowed ? x : 0.f);
             } else {
               if (allowed && transform)
-                x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, r_head[h], r_pos[h], j) * kLog2e;
+                x = transform_logit(vp, x * vp.sm_scale * kv.k_scale, row_head(h), row_pos(h), j) * kLog2e;
               else
                 x *= scale_log2;
-              if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, r_tok[h], j, kv_len);
+              if (allowed && vp.custom_mask) allowed = custom_mask_allows(vp, b, row_tok(h), j, kv_len);
               x = allowed ? x : -ATTNFORGE_INFINITY;
             }
             s_acc[nt][e] = x;
@@ -632,9 +689,13 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
         // A row that has seen no allowed key keeps m = -inf and subtracts 0 instead: its logits (-inf) give p = 0,
         // and its correction stays 1 so that rows with no key at all (past `rows` in a masked tile) never ask for
         // the rescale below.
-        float corr[2], m_sub[2];
-        for (int h = 0; h < 2; ++h) {
-          const float m_new = fmaxf(m_run[h], warp_max_quad(tile_max[h]));
+        float corr[kThreadRows], m_sub[kThreadRows];
+        for (int h = 0; h < kThreadRows; ++h) {
+          if (!live(h / 2)) {  // fp8: rows of an n8 tile not computed (kThreadRows = 4 only there)
+            corr[h] = 1.f, m_sub[h] = 0.f;
+            continue;
+          }
+          const float m_new = fmaxf(m_run[h], kFp8 ? warp_max_column(tile_max[h]) : warp_max_quad(tile_max[h]));
           m_sub[h] = m_new == -ATTNFORGE_INFINITY ? 0.f : m_new;
           corr[h] = m_new == -ATTNFORGE_INFINITY ? 1.f : fast_exp2(m_run[h] - m_new);
           m_run[h] = m_new;
@@ -642,42 +703,62 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
         }
         for (int nt = 0; nt < 2; ++nt)
           for (int e = 0; e < 4; ++e) {
-            const int h = e / 2;
+            if (!live(nt)) continue;
+            const int h = elem_row(nt, e);
             const float pr = fast_exp2(fmaf(s_acc[nt][e], s_mul, -m_sub[h]));
             s_acc[nt][e] = pr;
             l_run[h] += pr;
           }
         // Once the running maxima settle, most tiles move none of them: skip the rescale then.
-        if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
-          for (int n = 0; n < D / 8; ++n) {
-            o_acc[n][0] *= corr[0], o_acc[n][1] *= corr[0];
-            o_acc[n][2] *= corr[1], o_acc[n][3] *= corr[1];
+        bool moved = false;
+        for (int h = 0; h < kThreadRows; ++h) moved = moved || corr[h] != 1.f;
+        if (__any_sync(0xffffffffu, moved)) {
+          if constexpr (kFp8) {  // o_acc[2 b + nt]: dims of 16-dim block b, the rows of n8 tile nt (as s_acc's)
+            for (int n = 0; n < D / 8; ++n)
+              if (live(n % 2))
+                for (int e = 0; e < 4; ++e) o_acc[n][e] *= corr[2 * (n % 2) + e % 2];
+          } else {
+            for (int n = 0; n < D / 8; ++n) {
+              o_acc[n][0] *= corr[0], o_acc[n][1] *= corr[0];
+              o_acc[n][2] *= corr[1], o_acc[n][3] *= corr[1];
+            }
           }
+        }
       }
 
-      // O += P V: the S accumulator layout of two n8 tiles is exactly the A layout of one k16 step.
-      uint32_t a_p[4];
-      a_p[0] = pack2(s_acc[0][0], s_acc[0][1], MmaElem{});
-      a_p[1] = pack2(s_acc[0][2], s_acc[0][3], MmaElem{});
-      a_p[2] = pack2(s_acc[1][0], s_acc[1][1], MmaElem{});
-      a_p[3] = pack2(s_acc[1][2], s_acc[1][3], MmaElem{});
       if constexpr (kFp8) {
-        // Matrices (tokens 0-7, block nd), (8-15, nd), (0-7, nd+1), (8-15, nd+1), transposed: a register holds
-        // bytes V[2q][2c], V[2q][2c+1], V[2q+1][2c], V[2q+1][2c+1] (q = lane % 4, c = lane / 4); the permute
-        // 0x3120 pairs the tokens of dim 2c (even tile) and of dim 2c+1 (odd tile).
+        // O^T += V^T P^T: head dims are M, the warp's 16 tokens K, the rows N. P^T's B fragments are s_acc's
+        // pairs transposed (movmatrix): tokens 2q, 2q+1 (then 2q+8, 2q+9) of row lane / 4 of the n8 tile.
+        // V's matrices (tokens 0-7, block nd), (8-15, nd), (0-7, nd+1), (8-15, nd+1), transposed: a register
+        // holds bytes V[2q][2c], V[2q][2c+1], V[2q+1][2c], V[2q+1][2c+1] (q = lane % 4, c = lane / 4); the permute
+        // 0x3120 pairs the tokens of dim 2c and of dim 2c+1, A's rows c and c + 8 when block b's M rows are its
+        // dims in the order 0, 2, .., 14, 1, 3, .., 15 (o_acc[2 b + nt]; the finish writes them back in order).
+        uint32_t pb[2][2];
+        for (int nt = 0; nt < 2; ++nt)
+          if (nt < kNT) {
+            pb[nt][0] = movmatrix_trans(pack2(s_acc[nt][0], s_acc[nt][1], MmaElem{}));
+            pb[nt][1] = movmatrix_trans(pack2(s_acc[nt][2], s_acc[nt][3], MmaElem{}));
+          }
         for (int nd = 0; nd < D / 16; nd += 2) {
           uint32_t vb[4];
           ldmatrix_x4_trans(vb, v_tile + swizzle_bytes<Tr::kKVRowBytes>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2),
                                                                         nd + lane / 16));
           for (int h = 0; h < 2; ++h) {
-            uint32_t lo[2], hi[2];  // tokens 2q, 2q+1 and 2q+8, 2q+9: (even dim, odd dim)
+            uint32_t lo[2], hi[2];  // tokens 2q, 2q+1 and 2q+8, 2q+9: (dim 2c, dim 2c+1)
             fp8x4_to_pairs<typename Tr::KV>(byte_perm(vb[2 * h], 0u, 0x3120u), lo, MmaElem{});
             fp8x4_to_pairs<typename Tr::KV>(byte_perm(vb[2 * h + 1], 0u, 0x3120u), hi, MmaElem{});
-            mma_16816(o_acc[2 * (nd + h)], a_p, lo[0], hi[0], MmaElem{});
-            mma_16816(o_acc[2 * (nd + h) + 1], a_p, lo[1], hi[1], MmaElem{});
+            const uint32_t a[4] = {lo[0], lo[1], hi[0], hi[1]};
+            for (int nt = 0; nt < 2; ++nt)
+              if (nt < kNT) mma_16816(o_acc[2 * (nd + h) + nt], a, pb[nt][0], pb[nt][1], MmaElem{});
           }
         }
       } else {
+        // O += P V: the S accumulator layout of two n8 tiles is exactly the A layout of one k16 step.
+        uint32_t a_p[4];
+        a_p[0] = pack2(s_acc[0][0], s_acc[0][1], MmaElem{});
+        a_p[1] = pack2(s_acc[0][2], s_acc[0][3], MmaElem{});
+        a_p[2] = pack2(s_acc[1][0], s_acc[1][1], MmaElem{});
+        a_p[3] = pack2(s_acc[1][2], s_acc[1][3], MmaElem{});
         const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_tile);
         for (int nd = 0; nd < D / 16; ++nd) {
           uint32_t bv[4];
@@ -695,23 +776,37 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
 
     // Merge the four warps' states. Row sums are per-thread partials until here.
     const DecodeMergeSmem<Tr> ms(sK);
-    float m_row[2], l_row[2];
-    for (int h = 0; h < 2; ++h) {
-      m_row[h] = m_run[h];
-      l_row[h] = warp_sum_quad(l_run[h]);
+    if constexpr (kFp8) {
+      // Rows 2 (lane % 4) + {0, 1} (+ 8): their sums run down the fragment's columns; lanes 0-3 hold every row.
+      for (int h = 0; h < kThreadRows; ++h) {
+        const float l = warp_sum_column(l_run[h]);
+        if (lane < 4) ms.m[warp * Tr::kRows + row_of(h)] = m_run[h], ms.l[warp * Tr::kRows + row_of(h)] = l;
+      }
+    } else {
+      float m_row[2], l_row[2];
+      for (int h = 0; h < 2; ++h) {
+        m_row[h] = m_run[h];
+        l_row[h] = warp_sum_quad(l_run[h]);
+      }
+      ms.stash_rows(warp, lane / 4, m_row, l_row, lane % 4 == 0);
     }
-    ms.stash_rows(warp, lane / 4, m_row, l_row, lane % 4 == 0);
     __syncthreads();
     ATTNFORGE_TL(tl_lap(3);)
-    for (int h = 0; h < 2; ++h) {
-      const int r = lane / 4 + 8 * h;
+    for (int h = 0; h < kThreadRows; ++h) {
+      if constexpr (kFp8) {
+        if (h / 2 >= kNT) continue;  // rows 8-15 of a CTA of 8 rows or fewer: never read
+      }
+      const int r = row_of(h);
       const float f = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : fast_exp2(m_run[h] - ms.row_max(r));
-      for (int n = 0; n < D / 8; ++n)
-        for (int e = 0; e < 2; ++e) {
-          // Column 2 (lane % 4) + e of n8 tile n; fp8 tiles hold the even or odd dims of 16-dim block n / 2.
-          const int col = kFp8 ? 16 * (n / 2) + 4 * (lane % 4) + 2 * e + n % 2 : n * 8 + 2 * (lane % 4) + e;
-          *ms.o_at(warp, r, col) = o_acc[n][2 * h + e] * f;
-        }
+      if constexpr (kFp8) {
+        // o_acc[2 b + nt][2 i + h % 2]: dim 16 b + 2 (lane / 4) + i of row r (M rows 0, 2, .., 14, 1, .., 15).
+        for (int b = 0; b < D / 16; ++b)
+          for (int i = 0; i < 2; ++i)
+            *ms.o_at(warp, r, 16 * b + 2 * (lane / 4) + i) = o_acc[2 * b + h / 2][2 * i + h % 2] * f;
+      } else {
+        for (int n = 0; n < D / 8; ++n)
+          for (int e = 0; e < 2; ++e) *ms.o_at(warp, r, n * 8 + 2 * (lane % 4) + e) = o_acc[n][2 * h + e] * f;
+      }
     }
     __syncthreads();
     ATTNFORGE_TL(tl_lap(4);)
@@ -732,7 +827,7 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     __syncthreads();  // shared memory is reused by the next item
     ATTNFORGE_TL(tl_lap(6);)
   }
-  ATTNFORGE_TL(if (long long* f = timeline_slot(); f && tid == 0) {
+  ATTNFORGE_TL(if (long long* f = timeline_slot(); f && tid == 0 && !(kRowPass == 1 && left)) {
     f[0] = tl_start, f[1] = global_ns();
     for (int i = 0; i < 7; ++i) f[2 + i] = tl_ph[i];
     f[9] = tl_first, f[10] = (sm_id() << 32) | tl_tiles;
@@ -740,11 +835,23 @@ __device__ __forceinline__ void decode_body(const AttentionParams& p, const Vari
     f[15] = tl_merge[5];  // the rows (or partial rows) written, before the merge's count
     for (int i = 0; i < 5; ++i) f[16 + i] = tl_merge[i];
   })
+  return left;
+}
+
+// Every item through decode_body: in one pass (16-bit K/V), or fp8's two row passes (the second only where the first
+// left items).
+template <class Tr, class V>
+__device__ __forceinline__ void decode_items(const AttentionParams& p, const VariantArgs& va) {
+  if constexpr (Tr::kFp8) {
+    if (decode_body<Tr, V, 1>(p, va)) decode_body<Tr, V, 2>(p, va);
+  } else {
+    decode_body<Tr, V>(p, va);
+  }
 }
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocksPerSM) decode_kernel(const AttentionParams p) {
-  decode_body<Tr, BuiltinOptions>(p, VariantArgs{});
+  decode_items<Tr, BuiltinOptions>(p, VariantArgs{});
 }
 
 // A custom variant V's decode kernel (NVRTC only: jit/kernel_key.h renders it with V's source). VariantArgs'
@@ -755,7 +862,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_variant_kernel(const AttentionParams p, const VariantArgs args) {
   VariantArgs a = args;
   a.options = &p.variant;
-  decode_body<Tr, V>(p, a);
+  decode_items<Tr, V>(p, a);
 }
 
 }  // namespace attnforge::cuda

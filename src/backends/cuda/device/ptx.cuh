@@ -51,6 +51,13 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* smem) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_address(smem)));
 }
+// Transposes an 8x8 matrix of 16-bit elements held in mma fragment form (lane holds row lane / 4, columns
+// 2 (lane % 4) and 2 (lane % 4) + 1): the result holds the same places of the transpose.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -158,6 +165,17 @@ __device__ __forceinline__ float warp_max_quad(float x) {
 __device__ __forceinline__ float warp_sum_quad(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+// The same over the 8 lanes of a column of mma fragments (the lanes that share lane % 4).
+__device__ __forceinline__ float warp_max_column(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+__device__ __forceinline__ float warp_sum_column(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
 
 }  // namespace attnforge::cuda
