@@ -6,7 +6,9 @@
 //     (the decode kernel and the merge kernel);
 //   - a streaming read of the 1 x 32768 step's 134 MB of K/V (rotated over 4 buffers) by 256 CTAs in four shapes
 //     (loads into registers; cp.async into shared memory as the decode kernel copies, 48 or 80 KB in flight a CTA):
-//     plain, with the attribute, as a graph of one call, and a call's share of a graph of 16.
+//     plain, with the attribute, as a graph of one call, and a call's share of a graph of 16;
+//   - the same bytes in the decode step's own pattern (paged_copy_kernel: a CTA per KV head and 1024 tokens, 64-token
+//     tiles of K and V through page ids), NHD pages in order and shuffled, HND pages shuffled.
 // Each row: the events' median, the kernel's median span (first CTA's start to the last CTA's end, by %globaltimer)
 // and their difference.
 // Build: nvcc -O2 -gencode=arch=compute_90a,code=sm_90a -o plain_call_probe bench/plain_call_probe.cu
@@ -35,7 +37,9 @@ struct Params {
   long long spin_ns;
   long long chunk;             // uint4s a CTA reads
   int trigger;                 // 0 none, 1 launch_dependents at the start, 2 at the end
-  long long pad[120];          // 1 KB of parameters, as AttentionParams
+  const int* page_ids;         // paged reads: the step's 2048 pages of 16 tokens, in the order read
+  int hnd;                     // paged reads: pages laid out [head][token] (HND) rather than [token][head] (NHD)
+  long long pad[118];          // 1 KB of parameters, as AttentionParams
 };
 
 __device__ __forceinline__ unsigned long long now_ns() {
@@ -114,6 +118,58 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(const Params p) {
   stamp_end(p);
 }
 
+// The decode step's own access pattern with nothing computed: CTA b reads KV head b % 8 of tokens [1024 (b / 8),
+// +1024) of a paged cache (2048 pages of 16 tokens, 8 KV heads, head_dim 128, bf16; K in the buffer's first half, V
+// in its second) in 64-token tiles of 32 KB (K and V), 3 stages (2 in flight), as the 1 x 32768 decode step's
+// kernel copies them: 128 threads x 16 cp.async a tile, the tile's 4 page ids fetched one tile ahead. NHD: a page's
+// head slice is 16 rows of 256 bytes, 2 KB apart; HND: 4 KB in one piece.
+__global__ void __launch_bounds__(128) paged_copy_kernel(const Params p) {
+  extern __shared__ __align__(16) uint4 stage_smem[];
+  const unsigned long long t0 = now_ns();
+  stamp_start(p, t0);
+  constexpr int kStages = 3, kTiles = 16, kTileChunks = 2048;  // uint4s a tile: 2 x 64 tokens x 16
+  const int head = blockIdx.x % 8, piece = blockIdx.x / 8;
+  const long long v_offset = 2048LL * 16 * 8 * 128 / 8;  // uint4s of K
+  const int* ids = p.page_ids + piece * 64;
+  const int x = threadIdx.x, dchunk = x % 16;
+  int4 pages = *reinterpret_cast<const int4*>(ids);
+  auto issue = [&](int t, int4 pg) {
+    uint4* dst = stage_smem + (t % kStages) * kTileChunks;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int token = x / 16 + 8 * k, tok = token % 16;
+      const int page = k < 2 ? pg.x : k < 4 ? pg.y : k < 6 ? pg.z : pg.w;
+      const long long row = p.hnd ? (static_cast<long long>(page) * 8 + head) * 16 + tok
+                                  : (static_cast<long long>(page) * 16 + tok) * 8 + head;
+      const uint4* src = p.src + row * 16 + dchunk;
+      const uint32_t dk = static_cast<uint32_t>(__cvta_generic_to_shared(dst + token * 16 + dchunk));
+      const uint32_t dv = static_cast<uint32_t>(__cvta_generic_to_shared(dst + 1024 + token * 16 + dchunk));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dk), "l"(src));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dv), "l"(src + v_offset));
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  for (int t = 0; t < kStages - 1; ++t) {
+    issue(t, pages);
+    pages = *reinterpret_cast<const int4*>(ids + 4 * (t + 1));
+  }
+  uint32_t acc = 0;
+  for (int t = 0; t < kTiles; ++t) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2));
+    __syncthreads();
+    acc ^= stage_smem[(t % kStages) * kTileChunks + x].x;
+    const int next = t + kStages - 1;
+    if (next < kTiles) {
+      issue(next, pages);
+      if (next + 1 < kTiles) pages = *reinterpret_cast<const int4*>(ids + 4 * (next + 1));
+    } else {
+      asm volatile("cp.async.commit_group;");
+    }
+  }
+  if (acc == 0x12345678u) p.sink[blockIdx.x] = 1.f;
+  stamp_end(p);
+}
+
 __global__ void dependent_kernel(const Params p) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   if (p.trigger == 12345) p.sink[0] = 0.f;
@@ -135,6 +191,21 @@ int main() {
   for (auto& b : bufs) {
     CHECK(cudaMalloc(&b, bytes));
     CHECK(cudaMemset(b, 0x5a, bytes));
+  }
+  // Page tables for the paged reads, one a buffer: in order, and shuffled (a fixed LCG-driven Fisher-Yates).
+  std::vector<int*> in_order(kBuffers), shuffled(kBuffers);
+  for (int i = 0; i < kBuffers; ++i) {
+    std::vector<int> ids(2048);
+    for (int j = 0; j < 2048; ++j) ids[j] = j;
+    CHECK(cudaMalloc(&in_order[i], ids.size() * sizeof(int)));
+    CHECK(cudaMemcpy(in_order[i], ids.data(), ids.size() * sizeof(int), cudaMemcpyHostToDevice));
+    unsigned long long state = 0x9e3779b97f4a7c15ull * (i + 1);
+    for (int j = 2047; j > 0; --j) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      std::swap(ids[j], ids[static_cast<int>((state >> 33) % static_cast<unsigned long long>(j + 1))]);
+    }
+    CHECK(cudaMalloc(&shuffled[i], ids.size() * sizeof(int)));
+    CHECK(cudaMemcpy(shuffled[i], ids.data(), ids.size() * sizeof(int), cudaMemcpyHostToDevice));
   }
   unsigned long long* stamps;
   float* sink;
@@ -203,23 +274,30 @@ int main() {
     const char* name;
     void (*kernel)(Params);
     int threads, smem;
+    int paged = 0;  // 0: contiguous; 1 NHD in order, 2 NHD shuffled, 3 HND shuffled (paged_copy_kernel)
   };
+  CHECK(cudaFuncSetAttribute(paged_copy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
   CHECK(cudaFuncSetAttribute(copy_kernel<256, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
   CHECK(cudaFuncSetAttribute(copy_kernel<256, 6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
   const ReadShape shapes[] = {{"read 134 MB, 128 x 8 loads", read_kernel<128, 8>, 128, 0},
                               {"read 134 MB, 512 x 8 loads", read_kernel<512, 8>, 512, 0},
                               {"read 134 MB, cp.async 3 x 16 KB in flight", copy_kernel<256, 4>, 256, 64 * 1024},
-                              {"read 134 MB, cp.async 5 x 16 KB in flight", copy_kernel<256, 6>, 256, 96 * 1024}};
+                              {"read 134 MB, cp.async 5 x 16 KB in flight", copy_kernel<256, 6>, 256, 96 * 1024},
+                              {"paged NHD in order, 2 x 32 KB in flight", paged_copy_kernel, 128, 96 * 1024, 1},
+                              {"paged NHD shuffled, 2 x 32 KB in flight", paged_copy_kernel, 128, 96 * 1024, 2},
+                              {"paged HND shuffled, 2 x 32 KB in flight", paged_copy_kernel, 128, 96 * 1024, 3}};
   auto read = [&](const ReadShape& r, bool pdl) {
     return [=, &launch, &bufs](int i) {
       Params p = base;
       p.src = bufs[i % kBuffers];
+      p.page_ids = r.paged == 1 ? in_order[i % kBuffers] : shuffled[i % kBuffers];
+      p.hnd = r.paged == 3;
       launch(r.kernel, p, pdl, read_grid, r.smem, r.threads);
     };
   };
   std::vector<Row> chain;
   std::vector<std::string> names;
-  names.reserve(16);
+  names.reserve(64);  // rows keep c_str() pointers into it: no reallocation
   for (const ReadShape& r : shapes) {
     measure(r.name, read(r, false), rows);
     names.push_back(std::string(r.name) + ", PDL attribute");
@@ -250,7 +328,7 @@ int main() {
     std::printf("%-52s %10.2f: a call's share %.2f us, %.3f TB/s\n", r.name, r.events, r.events / 16,
                 bytes / (r.events / 16) * 1e-6);
   for (const Row& r : rows)
-    if (r.name[0] == 'r')
+    if (r.name[0] == 'r' || r.name[0] == 'p')
       std::printf("%-52s %.3f TB/s by events, %.3f TB/s over the span\n", r.name, bytes / r.events * 1e-6,
                   bytes / r.span * 1e-6);
   CHECK(cudaGetLastError());

@@ -119,6 +119,13 @@ std::vector<GpuBenchCase> gpu_suite(bool quick) {
   if (quick) {
     v.push_back({"decode 16x2048", gpu_decode(16, 2048), true});
     v.push_back({"decode 1x2048", gpu_decode(1, 2048), true});
+  // HND pages (a KV head's slice of a page in one piece: 4 KB at page size 16, where NHD's is 16 rows 2 KB apart).
+  auto hnd = [](testing::CaseSpec s) {
+    s.layout = KVLayout::kHND;
+    return s;
+  };
+  v.push_back({"decode 64x8192 hnd", hnd(gpu_decode(64, 8192))});
+  v.push_back({"decode 1x32768 hnd", hnd(gpu_decode(1, 32768)), true});
     return v;
   }
   // fp8 e4m3 K/V with per-tensor scales next to bf16 on the two largest cases (target: 1.7x faster); TB/s counts
@@ -150,6 +157,8 @@ std::vector<GpuBenchCase> gpu_suite(bool quick) {
   v.push_back({"decode 64x4096 zipf", zipf});
   v.push_back({"decode 128x2048 qo1", gpu_decode(128, 2048)});
   v.push_back({"decode 128x2048 qo4 causal", gpu_decode(128, 2048, 16, 4)});
+  // fp8 K/V with 16 rows a CTA: the fp8 kernels' second row pass (two n8 tiles of rows).
+  v.push_back({"decode 128x2048 qo4 causal fp8", fp8(gpu_decode(128, 2048, 16, 4))});
   return v;
 }
 
