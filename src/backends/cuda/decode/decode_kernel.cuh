@@ -352,10 +352,11 @@ __device__ __forceinline__ void finish_rows_variant(const AttentionParams& p, co
   }
 }
 
-// kRowPass: 0 (16-bit K/V) takes every item. The fp8 kernels run two passes over the same items (decode_fp8), as
-// their tile loop's n8 tiles of rows are a constant: pass 1 takes the CTAs' items of 8 rows or fewer (one n8 tile)
-// and returns whether it left any, pass 2 takes the others (two n8 tiles). A runtime tile count inside one loop
-// left the idle tile's mma predicated off, which costs their issue slots all the same.
+// kRowPass: 0 takes every item in the m16 form (rows on M). decode_items runs two passes over the same items, as the
+// transposed form's n8 tiles of rows are a constant: pass 1 takes the CTAs' items of 8 rows or fewer (transposed,
+// one n8 tile) and returns whether it left any, pass 2 takes the others (fp8: transposed, two n8 tiles; 16-bit K/V:
+// the m16 form). A runtime tile count inside one loop left the idle tile's mma predicated off, which costs their
+// issue slots all the same.
 template <class Tr, class V, int kRowPass = 0>
 __device__ __forceinline__ bool decode_body(const AttentionParams& p, const VariantArgs& va) {
   constexpr bool kCustom = IsCustomVariant<V>::value;
@@ -366,15 +367,20 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
   constexpr bool kFp8 = Tr::kFp8;
   // fp8 with bf16 Q: the logits' factor of each row's Q scale (2^s, load_query_rows_permuted), usually 1.
   constexpr bool kQScaled = kFp8 && IsBf16<Elem>::value;
+  // The transposed products, S^T = K Q^T and O^T = V^T P^T (tokens, then dims, on M; query rows on N, an n8 tile per
+  // 8 rows): fp8 always, 16-bit K/V in the first row pass (CTAs of 8 rows or fewer). A decode CTA of one query token
+  // holds a GQA group of 4 or 8 rows, on which an m16 tile of rows spends half or more of its mma, exp2 and softmax
+  // work on empty rows.
+  constexpr bool kTrans = kFp8 || kRowPass == 1;
   extern __shared__ __align__(128) uint16_t smem[];
   uint16_t* sQ = smem;
   uint8_t* sK = reinterpret_cast<uint8_t*>(smem) + Tr::kQBytes;
   uint8_t* sV = sK + Tr::kStages * Tr::kTileBytes;
   __shared__ float s_freqs[D / 2];  // RoPE frequencies, when on
   __shared__ float s_qscale[Tr::kRows];  // fp8: each Q row's scale 2^s (1 for fp16 Q)
-  // fp8: each row's token, head, position and KV range [lo, hi), which the 16-bit kernels keep in registers (an fp8
-  // thread holds 4 rows: in registers they pushed the head_dim 128 kernels past their 168 and into spills).
-  __shared__ int s_row_info[kFp8 ? 5 : 1][Tr::kRows];
+  // Transposed: each row's token, head, position and KV range [lo, hi), which the m16 form keeps in registers (a
+  // transposed thread holds 4 rows: in registers they pushed the fp8 head_dim 128 kernels past 168 and into spills).
+  __shared__ int s_row_info[kTrans ? 5 : 1][Tr::kRows];
 
   const PlanView& plan = *p.plan;
   const KVParams& kv = p.kv;
@@ -446,13 +452,13 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     // before the K/V copies: after them, the 1 x 2048 step (one CTA an SM) lost 0.2-0.5 us as a graph (H200, d2a8d43).
     if constexpr (!kFp8) load_query_rows<D, Tr::kRows, Tr::kThreads>(p, it, qo_start, row0, rows, group, kv_head, sQ);
 
-    // The rows this thread holds in the mma fragments (kThreadRows, row_of): 16-bit K/V, lane / 4 and lane / 4 + 8
-    // (the rows are S = Q K^T's M dimension); fp8 K/V, 2 (lane % 4) and 2 (lane % 4) + 1 of each n8 tile of rows
-    // (S^T = K Q^T's N dimension: see the fp8 tile below). kNT: the n8 tiles of rows the fp8 kernels compute
+    // The rows this thread holds in the mma fragments (kThreadRows, row_of): the m16 form, lane / 4 and lane / 4 + 8
+    // (the rows are S = Q K^T's M dimension); transposed, 2 (lane % 4) and 2 (lane % 4) + 1 of each n8 tile of rows
+    // (S^T = K Q^T's N dimension: see the tile below). kNT: the n8 tiles of rows the transposed form computes
     // (one for the usual decode CTA of 8 rows or fewer, such as a GQA group of 4 or 8 and one query token).
-    constexpr int kThreadRows = kFp8 ? 4 : 2;
+    constexpr int kThreadRows = kTrans ? 4 : 2;
     constexpr int kNT = kRowPass == 1 ? 1 : 2;
-    auto row_of = [&](int h) { return kFp8 ? 8 * (h / 2) + 2 * (lane % 4) + h % 2 : lane / 4 + 8 * h; };
+    auto row_of = [&](int h) { return kTrans ? 8 * (h / 2) + 2 * (lane % 4) + h % 2 : lane / 4 + 8 * h; };
     int r_tok[kThreadRows], r_head[kThreadRows], r_pos[kThreadRows], r_lo[kThreadRows], r_hi[kThreadRows];
     int range_lo = it.kv_end, range_hi = it.kv_begin;
     int max_lo = it.kv_begin, min_hi = it.kv_end;  // the KV every valid row allows
@@ -468,7 +474,7 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
       }
       if (r < rows) max_lo = max(max_lo, r_lo[h]), min_hi = min(min_hi, r_hi[h]);
       if (r_lo[h] < r_hi[h]) range_lo = min(range_lo, r_lo[h]), range_hi = max(range_hi, r_hi[h]);
-      if constexpr (kFp8) {  // lanes 0-3 of a warp hold every row; read after the main loop's first barrier
+      if constexpr (kTrans) {  // lanes 0-3 of a warp hold every row; read after the main loop's first barrier
         if (warp == 0 && lane < 4) {
           s_row_info[0][r] = r_tok[h], s_row_info[1][r] = r_head[h], s_row_info[2][r] = r_pos[h];
           s_row_info[3][r] = r_lo[h], s_row_info[4][r] = r_hi[h];
@@ -617,6 +623,22 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
             for (int nt = 0; nt < 2; ++nt)
               for (int e = 0; e < 4; ++e) s_acc[nt][e] *= q_scale[2 * nt + e % 2];
         }
+      } else if constexpr (kTrans) {
+        // 16-bit K/V, S^T = K Q^T: the warp's 16 tokens are M. K's matrices (tokens 0-7, dim chunk c), (8-15, c),
+        // (0-7, c + 1), (8-15, c + 1) of 16-dim block kk + h are the A fragment as they land; one Q ldmatrix gives
+        // an n8 tile's B fragments of blocks kk and kk + 1 (Q's rows 8 nt .. 8 nt + 7 in their natural dims).
+        const uint16_t* k16 = reinterpret_cast<const uint16_t*>(k_tile);
+        for (int kk = 0; kk < D / 16; kk += 2) {
+          uint32_t qb[2][4];
+          for (int nt = 0; nt < 2; ++nt)
+            if (nt < kNT) ldmatrix_x4(qb[nt], sQ + swizzle<D>(8 * nt + lane % 8, 2 * kk + lane / 8));
+          for (int h = 0; h < 2; ++h) {
+            uint32_t a[4];
+            ldmatrix_x4(a, k16 + swizzle<D>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * (kk + h) + lane / 16));
+            for (int nt = 0; nt < 2; ++nt)
+              if (nt < kNT) mma_16816(s_acc[nt], a, qb[nt][2 * h], qb[nt][2 * h + 1], Elem{});
+          }
+        }
       } else {
         const uint16_t* k16 = reinterpret_cast<const uint16_t*>(k_tile);
         for (int kk = 0; kk < D / 16; ++kk) {
@@ -633,17 +655,17 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
       float tile_max[kThreadRows];
       for (int h = 0; h < kThreadRows; ++h) tile_max[h] = -ATTNFORGE_INFINITY;
       // Element e of n8 tile nt: its row among this thread's (row_of) and its token in the warp's 16.
-      auto elem_row = [&](int nt, int e) { return kFp8 ? 2 * nt + e % 2 : e / 2; };
+      auto elem_row = [&](int nt, int e) { return kTrans ? 2 * nt + e % 2 : e / 2; };
       auto elem_token = [&](int nt, int e) {
-        return kFp8 ? lane / 4 + 8 * (e / 2) : nt * 8 + 2 * (lane % 4) + e % 2;
+        return kTrans ? lane / 4 + 8 * (e / 2) : nt * 8 + 2 * (lane % 4) + e % 2;
       };
       auto live = [&](int nt) { return nt < kNT; };
-      // The row's fields (fp8: from shared memory, s_row_info).
-      auto row_tok = [&](int h) { return kFp8 ? s_row_info[0][row_of(h)] : r_tok[h]; };
-      auto row_head = [&](int h) { return kFp8 ? s_row_info[1][row_of(h)] : r_head[h]; };
-      auto row_pos = [&](int h) { return kFp8 ? s_row_info[2][row_of(h)] : r_pos[h]; };
-      auto row_lo = [&](int h) { return kFp8 ? s_row_info[3][row_of(h)] : r_lo[h]; };
-      auto row_hi = [&](int h) { return kFp8 ? s_row_info[4][row_of(h)] : r_hi[h]; };
+      // The row's fields (transposed: from shared memory, s_row_info).
+      auto row_tok = [&](int h) { return kTrans ? s_row_info[0][row_of(h)] : r_tok[h]; };
+      auto row_head = [&](int h) { return kTrans ? s_row_info[1][row_of(h)] : r_head[h]; };
+      auto row_pos = [&](int h) { return kTrans ? s_row_info[2][row_of(h)] : r_pos[h]; };
+      auto row_lo = [&](int h) { return kTrans ? s_row_info[3][row_of(h)] : r_lo[h]; };
+      auto row_hi = [&](int h) { return kTrans ? s_row_info[4][row_of(h)] : r_hi[h]; };
       // Interior tiles (every row allows all 16 tokens, no per-element transform or custom mask) skip the
       // per-element masking; the test is warp-uniform.
       const bool plain =
@@ -691,11 +713,11 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
         // the rescale below.
         float corr[kThreadRows], m_sub[kThreadRows];
         for (int h = 0; h < kThreadRows; ++h) {
-          if (!live(h / 2)) {  // fp8: rows of an n8 tile not computed (kThreadRows = 4 only there)
+          if (!live(h / 2)) {  // transposed: rows of an n8 tile not computed (kThreadRows = 4 only there)
             corr[h] = 1.f, m_sub[h] = 0.f;
             continue;
           }
-          const float m_new = fmaxf(m_run[h], kFp8 ? warp_max_column(tile_max[h]) : warp_max_quad(tile_max[h]));
+          const float m_new = fmaxf(m_run[h], kTrans ? warp_max_column(tile_max[h]) : warp_max_quad(tile_max[h]));
           m_sub[h] = m_new == -ATTNFORGE_INFINITY ? 0.f : m_new;
           corr[h] = m_new == -ATTNFORGE_INFINITY ? 1.f : fast_exp2(m_run[h] - m_new);
           m_run[h] = m_new;
@@ -713,7 +735,7 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
         bool moved = false;
         for (int h = 0; h < kThreadRows; ++h) moved = moved || corr[h] != 1.f;
         if (__any_sync(0xffffffffu, moved)) {
-          if constexpr (kFp8) {  // o_acc[2 b + nt]: dims of 16-dim block b, the rows of n8 tile nt (as s_acc's)
+          if constexpr (kTrans) {  // o_acc[2 b + nt]: dims of 16-dim block b, the rows of n8 tile nt (as s_acc's)
             for (int n = 0; n < D / 8; ++n)
               if (live(n % 2))
                 for (int e = 0; e < 4; ++e) o_acc[n][e] *= corr[2 * (n % 2) + e % 2];
@@ -752,6 +774,24 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
               if (nt < kNT) mma_16816(o_acc[2 * (nd + h) + nt], a, pb[nt][0], pb[nt][1], MmaElem{});
           }
         }
+      } else if constexpr (kTrans) {
+        // 16-bit K/V, O^T += V^T P^T: P^T's B fragments as fp8's. V's matrices (tokens 0-7, dims 16 nd + 0-7),
+        // (8-15, 0-7), (0-7, 8-15), (8-15, 8-15), each transposed, give A's (dim, token pair) quarters in the order
+        // 0, 2, 1, 3; o_acc[2 nd + nt] holds dims 16 nd + lane / 4 (+ 8) of the rows of n8 tile nt.
+        uint32_t pb[2][2];
+        for (int nt = 0; nt < 2; ++nt)
+          if (nt < kNT) {
+            pb[nt][0] = movmatrix_trans(pack2(s_acc[nt][0], s_acc[nt][1], MmaElem{}));
+            pb[nt][1] = movmatrix_trans(pack2(s_acc[nt][2], s_acc[nt][3], MmaElem{}));
+          }
+        const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_tile);
+        for (int nd = 0; nd < D / 16; ++nd) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, v16 + swizzle<D>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * nd + lane / 16));
+          const uint32_t a[4] = {vb[0], vb[2], vb[1], vb[3]};
+          for (int nt = 0; nt < 2; ++nt)
+            if (nt < kNT) mma_16816(o_acc[2 * nd + nt], a, pb[nt][0], pb[nt][1], Elem{});
+        }
       } else {
         // O += P V: the S accumulator layout of two n8 tiles is exactly the A layout of one k16 step.
         uint32_t a_p[4];
@@ -776,7 +816,7 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
 
     // Merge the four warps' states. Row sums are per-thread partials until here.
     const DecodeMergeSmem<Tr> ms(sK);
-    if constexpr (kFp8) {
+    if constexpr (kTrans) {
       // Rows 2 (lane % 4) + {0, 1} (+ 8): their sums run down the fragment's columns; lanes 0-3 hold every row.
       for (int h = 0; h < kThreadRows; ++h) {
         const float l = warp_sum_column(l_run[h]);
@@ -793,7 +833,7 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     __syncthreads();
     ATTNFORGE_TL(tl_lap(3);)
     for (int h = 0; h < kThreadRows; ++h) {
-      if constexpr (kFp8) {
+      if constexpr (kTrans) {
         if (h / 2 >= kNT) continue;  // rows 8-15 of a CTA of 8 rows or fewer: never read
       }
       const int r = row_of(h);
@@ -803,6 +843,11 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
         for (int b = 0; b < D / 16; ++b)
           for (int i = 0; i < 2; ++i)
             *ms.o_at(warp, r, 16 * b + 2 * (lane / 4) + i) = o_acc[2 * b + h / 2][2 * i + h % 2] * f;
+      } else if constexpr (kTrans) {
+        // o_acc[2 b + nt][2 i + h % 2]: dim 16 b + lane / 4 + 8 i of row r.
+        for (int b = 0; b < D / 16; ++b)
+          for (int i = 0; i < 2; ++i)
+            *ms.o_at(warp, r, 16 * b + lane / 4 + 8 * i) = o_acc[2 * b + h / 2][2 * i + h % 2] * f;
       } else {
         for (int n = 0; n < D / 8; ++n)
           for (int e = 0; e < 2; ++e) *ms.o_at(warp, r, n * 8 + 2 * (lane % 4) + e) = o_acc[n][2 * h + e] * f;
@@ -838,15 +883,11 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
   return left;
 }
 
-// Every item through decode_body: in one pass (16-bit K/V), or fp8's two row passes (the second only where the first
-// left items).
+// Every item through decode_body's two row passes: the transposed form for CTAs of 8 rows or fewer, then (only where
+// the first pass left items) the others.
 template <class Tr, class V>
 __device__ __forceinline__ void decode_items(const AttentionParams& p, const VariantArgs& va) {
-  if constexpr (Tr::kFp8) {
-    if (decode_body<Tr, V, 1>(p, va)) decode_body<Tr, V, 2>(p, va);
-  } else {
-    decode_body<Tr, V>(p, va);
-  }
+  if (decode_body<Tr, V, 1>(p, va)) decode_body<Tr, V, 2>(p, va);
 }
 
 template <class Tr>
