@@ -352,7 +352,7 @@ __device__ __forceinline__ void finish_rows_variant(const AttentionParams& p, co
   }
 }
 
-// kRowPass: 0 takes every item in the m16 form (rows on M). decode_items runs two passes over the same items, as the
+// kRowPass: 0 takes every item in the m16 form (rows on M). Or two passes over the same items (decode_items), as the
 // transposed form's n8 tiles of rows are a constant: pass 1 takes the CTAs' items of 8 rows or fewer (transposed,
 // one n8 tile) and returns whether it left any, pass 2 takes the others (fp8: transposed, two n8 tiles; 16-bit K/V:
 // the m16 form). A runtime tile count inside one loop left the idle tile's mma predicated off, which costs their
@@ -368,9 +368,9 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
   // fp8 with bf16 Q: the logits' factor of each row's Q scale (2^s, load_query_rows_permuted), usually 1.
   constexpr bool kQScaled = kFp8 && IsBf16<Elem>::value;
   // The transposed products, S^T = K Q^T and O^T = V^T P^T (tokens, then dims, on M; query rows on N, an n8 tile per
-  // 8 rows): fp8 always, 16-bit K/V in the first row pass (CTAs of 8 rows or fewer). A decode CTA of one query token
-  // holds a GQA group of 4 or 8 rows, on which an m16 tile of rows spends half or more of its mma, exp2 and softmax
-  // work on empty rows.
+  // 8 rows): fp8 always, 16-bit K/V (head_dim 256: decode_items) in the first row pass (CTAs of 8 rows or fewer). A
+  // decode CTA of one query token holds a GQA group of 4 or 8 rows, on which an m16 tile of rows spends half or more
+  // of its mma, exp2 and softmax work on empty rows.
   constexpr bool kTrans = kFp8 || kRowPass == 1;
   extern __shared__ __align__(128) uint16_t smem[];
   uint16_t* sQ = smem;
@@ -883,11 +883,17 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
   return left;
 }
 
-// Every item through decode_body's two row passes: the transposed form for CTAs of 8 rows or fewer, then (only where
-// the first pass left items) the others.
+// Every item through decode_body: fp8 and 16-bit head_dim 256 in two row passes (the transposed form for CTAs of 8
+// rows or fewer, then, only where the first pass left items, the others); 16-bit head_dim 64 and 128 in one pass of
+// the m16 form. Measured (H200, perf-notes v25): the transposed pass made the 16-bit head_dim 256 split steps 3%
+// faster and left head_dim 64 and 128 level (bus-bound), where its second pass made decode.cu's nvcc time 4x.
 template <class Tr, class V>
 __device__ __forceinline__ void decode_items(const AttentionParams& p, const VariantArgs& va) {
-  if (decode_body<Tr, V, 1>(p, va)) decode_body<Tr, V, 2>(p, va);
+  if constexpr (Tr::kFp8 || Tr::kHeadDim == 256) {
+    if (decode_body<Tr, V, 1>(p, va)) decode_body<Tr, V, 2>(p, va);
+  } else {
+    decode_body<Tr, V>(p, va);
+  }
 }
 
 template <class Tr>
