@@ -748,49 +748,46 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
         }
       }
 
-      if constexpr (kFp8) {
+      if constexpr (kTrans) {
         // O^T += V^T P^T: head dims are M, the warp's 16 tokens K, the rows N. P^T's B fragments are s_acc's
         // pairs transposed (movmatrix): tokens 2q, 2q+1 (then 2q+8, 2q+9) of row lane / 4 of the n8 tile.
-        // V's matrices (tokens 0-7, block nd), (8-15, nd), (0-7, nd+1), (8-15, nd+1), transposed: a register
-        // holds bytes V[2q][2c], V[2q][2c+1], V[2q+1][2c], V[2q+1][2c+1] (q = lane % 4, c = lane / 4); the permute
-        // 0x3120 pairs the tokens of dim 2c and of dim 2c+1, A's rows c and c + 8 when block b's M rows are its
-        // dims in the order 0, 2, .., 14, 1, 3, .., 15 (o_acc[2 b + nt]; the finish writes them back in order).
         uint32_t pb[2][2];
         for (int nt = 0; nt < 2; ++nt)
           if (nt < kNT) {
             pb[nt][0] = movmatrix_trans(pack2(s_acc[nt][0], s_acc[nt][1], MmaElem{}));
             pb[nt][1] = movmatrix_trans(pack2(s_acc[nt][2], s_acc[nt][3], MmaElem{}));
           }
-        for (int nd = 0; nd < D / 16; nd += 2) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, v_tile + swizzle_bytes<Tr::kKVRowBytes>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2),
-                                                                        nd + lane / 16));
-          for (int h = 0; h < 2; ++h) {
-            uint32_t lo[2], hi[2];  // tokens 2q, 2q+1 and 2q+8, 2q+9: (dim 2c, dim 2c+1)
-            fp8x4_to_pairs<typename Tr::KV>(byte_perm(vb[2 * h], 0u, 0x3120u), lo, MmaElem{});
-            fp8x4_to_pairs<typename Tr::KV>(byte_perm(vb[2 * h + 1], 0u, 0x3120u), hi, MmaElem{});
-            const uint32_t a[4] = {lo[0], lo[1], hi[0], hi[1]};
+        if constexpr (kFp8) {
+          // V's matrices (tokens 0-7, block nd), (8-15, nd), (0-7, nd+1), (8-15, nd+1), transposed: a register
+          // holds bytes V[2q][2c], V[2q][2c+1], V[2q+1][2c], V[2q+1][2c+1] (q = lane % 4, c = lane / 4); the
+          // permute 0x3120 pairs the tokens of dim 2c and of dim 2c+1, A's rows c and c + 8 when block b's M rows
+          // are its dims in the order 0, 2, .., 14, 1, 3, .., 15 (o_acc[2 b + nt]; the finish writes them back in
+          // order).
+          for (int nd = 0; nd < D / 16; nd += 2) {
+            uint32_t vb[4];
+            ldmatrix_x4_trans(vb, v_tile + swizzle_bytes<Tr::kKVRowBytes>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2),
+                                                                          nd + lane / 16));
+            for (int h = 0; h < 2; ++h) {
+              uint32_t lo[2], hi[2];  // tokens 2q, 2q+1 and 2q+8, 2q+9: (dim 2c, dim 2c+1)
+              fp8x4_to_pairs<typename Tr::KV>(byte_perm(vb[2 * h], 0u, 0x3120u), lo, MmaElem{});
+              fp8x4_to_pairs<typename Tr::KV>(byte_perm(vb[2 * h + 1], 0u, 0x3120u), hi, MmaElem{});
+              const uint32_t a[4] = {lo[0], lo[1], hi[0], hi[1]};
+              for (int nt = 0; nt < 2; ++nt)
+                if (nt < kNT) mma_16816(o_acc[2 * (nd + h) + nt], a, pb[nt][0], pb[nt][1], MmaElem{});
+            }
+          }
+        } else {
+          // 16-bit K/V: V's matrices (tokens 0-7, dims 16 nd + 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15), each
+          // transposed, give A's (dim, token pair) quarters in the order 0, 2, 1, 3; o_acc[2 nd + nt] holds dims
+          // 16 nd + lane / 4 (+ 8) of the rows of n8 tile nt.
+          const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_tile);
+          for (int nd = 0; nd < D / 16; ++nd) {
+            uint32_t vb[4];
+            ldmatrix_x4_trans(vb, v16 + swizzle<D>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * nd + lane / 16));
+            const uint32_t a[4] = {vb[0], vb[2], vb[1], vb[3]};
             for (int nt = 0; nt < 2; ++nt)
-              if (nt < kNT) mma_16816(o_acc[2 * (nd + h) + nt], a, pb[nt][0], pb[nt][1], MmaElem{});
+              if (nt < kNT) mma_16816(o_acc[2 * nd + nt], a, pb[nt][0], pb[nt][1], Elem{});
           }
-        }
-      } else if constexpr (kTrans) {
-        // 16-bit K/V, O^T += V^T P^T: P^T's B fragments as fp8's. V's matrices (tokens 0-7, dims 16 nd + 0-7),
-        // (8-15, 0-7), (0-7, 8-15), (8-15, 8-15), each transposed, give A's (dim, token pair) quarters in the order
-        // 0, 2, 1, 3; o_acc[2 nd + nt] holds dims 16 nd + lane / 4 (+ 8) of the rows of n8 tile nt.
-        uint32_t pb[2][2];
-        for (int nt = 0; nt < 2; ++nt)
-          if (nt < kNT) {
-            pb[nt][0] = movmatrix_trans(pack2(s_acc[nt][0], s_acc[nt][1], MmaElem{}));
-            pb[nt][1] = movmatrix_trans(pack2(s_acc[nt][2], s_acc[nt][3], MmaElem{}));
-          }
-        const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_tile);
-        for (int nd = 0; nd < D / 16; ++nd) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, v16 + swizzle<D>(tok0 + (lane % 8) + 8 * ((lane / 8) % 2), 2 * nd + lane / 16));
-          const uint32_t a[4] = {vb[0], vb[2], vb[1], vb[3]};
-          for (int nt = 0; nt < 2; ++nt)
-            if (nt < kNT) mma_16816(o_acc[2 * nd + nt], a, pb[nt][0], pb[nt][1], Elem{});
         }
       } else {
         // O += P V: the S accumulator layout of two n8 tiles is exactly the A layout of one k16 step.
@@ -838,16 +835,14 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
       }
       const int r = row_of(h);
       const float f = m_run[h] == -ATTNFORGE_INFINITY ? 0.f : fast_exp2(m_run[h] - ms.row_max(r));
-      if constexpr (kFp8) {
-        // o_acc[2 b + nt][2 i + h % 2]: dim 16 b + 2 (lane / 4) + i of row r (M rows 0, 2, .., 14, 1, .., 15).
+      if constexpr (kTrans) {
+        // o_acc[2 b + nt][2 i + h % 2] of row r: dim 16 b + lane / 4 + 8 i, or for fp8 (M rows 0, 2, .., 14, 1, ..,
+        // 15) dim 16 b + 2 (lane / 4) + i.
         for (int b = 0; b < D / 16; ++b)
-          for (int i = 0; i < 2; ++i)
-            *ms.o_at(warp, r, 16 * b + 2 * (lane / 4) + i) = o_acc[2 * b + h / 2][2 * i + h % 2] * f;
-      } else if constexpr (kTrans) {
-        // o_acc[2 b + nt][2 i + h % 2]: dim 16 b + lane / 4 + 8 i of row r.
-        for (int b = 0; b < D / 16; ++b)
-          for (int i = 0; i < 2; ++i)
-            *ms.o_at(warp, r, 16 * b + lane / 4 + 8 * i) = o_acc[2 * b + h / 2][2 * i + h % 2] * f;
+          for (int i = 0; i < 2; ++i) {
+            const int dim = kFp8 ? 16 * b + 2 * (lane / 4) + i : 16 * b + lane / 4 + 8 * i;
+            *ms.o_at(warp, r, dim) = o_acc[2 * b + h / 2][2 * i + h % 2] * f;
+          }
       } else {
         for (int n = 0; n < D / 8; ++n)
           for (int e = 0; e < 2; ++e) *ms.o_at(warp, r, n * 8 + 2 * (lane % 4) + e) = o_acc[n][2 * h + e] * f;
