@@ -444,8 +444,25 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     // after it (1 x 32768 timelines: item at 0.8 us, the rows' bounds at 1.6, tile 0's copies out at 2.9). A window
     // or causal rows may start the first tile later; then the prefetch was wasted, not wrong. Measured (H200,
     // perf-notes v20): the split steps level, fp8 64 x 8192 1.1% faster.
-    Loader::prefetch_first_pages(kv, page_list, it.kv_begin, it.kv_end);
+    if constexpr (kFp8) Loader::prefetch_first_pages(kv, page_list, it.kv_begin, it.kv_end);
     const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
+    // 16-bit K/V: where every query token of the item allows all of the item's KV (one token a request and no left
+    // window, the usual decode step; or a custom variant, whose mask decides within the item), the CTA's KV range is
+    // the item's, known now: tile 0's copies go out right behind Q's, and the rows' fields are found after them. The
+    // bounds are monotone in the query position: the item's first token's upper bound and its last token's lower
+    // bound decide. Measured (H200, perf-notes v26): head_dim 256 split steps 5% faster, 64 and 128 level.
+    // The fp8 kernels keep the order before it (rows, then copies), written out apart below: in the new order their
+    // registers moved and fp8 64 x 8192 lost 1-2%, and every shared form of the two orders tried moved their code.
+    [[maybe_unused]] bool whole = kCustom;
+    if constexpr (!kFp8) {
+      if constexpr (!kCustom) {
+        int lo_first, hi_first, lo_last, hi_last;
+        allowed_kv_range(vp, query_position(it.qo_begin, qo_len, kv_len), kv_len, &lo_first, &hi_first);
+        allowed_kv_range(vp, query_position(it.qo_end - 1, qo_len, kv_len), kv_len, &lo_last, &hi_last);
+        whole = hi_first >= it.kv_end && lo_last <= it.kv_begin;
+      }
+      if (!whole) Loader::prefetch_first_pages(kv, page_list, it.kv_begin, it.kv_end);
+    }
 
     ATTNFORGE_TL(if (tl_one) tl_pro[0] = cycles() - tl_t;)
     // Q rows -> shared (zeros past `rows`); committed with the first K/V tile (fp8: after the prologue below). Issued
@@ -459,34 +476,49 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     constexpr int kThreadRows = kTrans ? 4 : 2;
     constexpr int kNT = kRowPass == 1 ? 1 : 2;
     auto row_of = [&](int h) { return kTrans ? 8 * (h / 2) + 2 * (lane % 4) + h % 2 : lane / 4 + 8 * h; };
+    // Each row's token, head and position (its fields) and KV bounds [r_lo, r_hi) (empty past `rows`); the bounds'
+    // union [range_lo, range_hi) and their intersection [max_lo, min_hi), the KV every valid row allows. Every lane
+    // holds some of the 16 rows and lanes 0..31 cover all of them: a warp reduction gives the union.
     int r_tok[kThreadRows], r_head[kThreadRows], r_pos[kThreadRows], r_lo[kThreadRows], r_hi[kThreadRows];
     int range_lo = it.kv_end, range_hi = it.kv_begin;
-    int max_lo = it.kv_begin, min_hi = it.kv_end;  // the KV every valid row allows
-    for (int h = 0; h < kThreadRows; ++h) {
-      const int r = row_of(h);
-      const QueryRow q = query_row(it, row0 + r, group, kv_head);
-      r_tok[h] = q.tok;
-      r_head[h] = q.head;
-      r_pos[h] = query_position(q.tok, qo_len, kv_len);
-      row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &r_lo[h], &r_hi[h]);
-      if constexpr (kCustom) {  // the variant's logits_mask decides within the item's KV
-        if (r < rows) r_lo[h] = it.kv_begin, r_hi[h] = it.kv_end;
-      }
-      if (r < rows) max_lo = max(max_lo, r_lo[h]), min_hi = min(min_hi, r_hi[h]);
-      if (r_lo[h] < r_hi[h]) range_lo = min(range_lo, r_lo[h]), range_hi = max(range_hi, r_hi[h]);
-      if constexpr (kTrans) {  // lanes 0-3 of a warp hold every row; read after the main loop's first barrier
-        if (warp == 0 && lane < 4) {
-          s_row_info[0][r] = r_tok[h], s_row_info[1][r] = r_head[h], s_row_info[2][r] = r_pos[h];
-          s_row_info[3][r] = r_lo[h], s_row_info[4][r] = r_hi[h];
+    int max_lo = it.kv_begin, min_hi = it.kv_end;
+    if constexpr (kFp8) {
+      for (int h = 0; h < kThreadRows; ++h) {
+        const int r = row_of(h);
+        const QueryRow q = query_row(it, row0 + r, group, kv_head);
+        r_tok[h] = q.tok;
+        r_head[h] = q.head;
+        r_pos[h] = query_position(q.tok, qo_len, kv_len);
+        row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &r_lo[h], &r_hi[h]);
+        if constexpr (kCustom) {  // the variant's logits_mask decides within the item's KV
+          if (r < rows) r_lo[h] = it.kv_begin, r_hi[h] = it.kv_end;
+        }
+        if (r < rows) max_lo = max(max_lo, r_lo[h]), min_hi = min(min_hi, r_hi[h]);
+        if (r_lo[h] < r_hi[h]) range_lo = min(range_lo, r_lo[h]), range_hi = max(range_hi, r_hi[h]);
+        if constexpr (kTrans) {  // lanes 0-3 of a warp hold every row; read after the main loop's first barrier
+          if (warp == 0 && lane < 4) {
+            s_row_info[0][r] = r_tok[h], s_row_info[1][r] = r_head[h], s_row_info[2][r] = r_pos[h];
+            s_row_info[3][r] = r_lo[h], s_row_info[4][r] = r_hi[h];
+          }
         }
       }
-    }
-    // Every lane holds some of the 16 rows and lanes 0..31 cover all of them: a warp reduction gives the union.
-    for (int o = 16; o > 0; o >>= 1) {
-      range_lo = min(range_lo, __shfl_xor_sync(0xffffffffu, range_lo, o));
-      range_hi = max(range_hi, __shfl_xor_sync(0xffffffffu, range_hi, o));
-      max_lo = max(max_lo, __shfl_xor_sync(0xffffffffu, max_lo, o));
-      min_hi = min(min_hi, __shfl_xor_sync(0xffffffffu, min_hi, o));
+      for (int o = 16; o > 0; o >>= 1) {  // warp_kv_bounds, as written when fp8 was measured
+        range_lo = min(range_lo, __shfl_xor_sync(0xffffffffu, range_lo, o));
+        range_hi = max(range_hi, __shfl_xor_sync(0xffffffffu, range_hi, o));
+        max_lo = max(max_lo, __shfl_xor_sync(0xffffffffu, max_lo, o));
+        min_hi = min(min_hi, __shfl_xor_sync(0xffffffffu, min_hi, o));
+      }
+    } else if (whole) {
+      range_lo = it.kv_begin, range_hi = it.kv_end;
+      for (int h = 0; h < kThreadRows; ++h) r_lo[h] = it.kv_begin, r_hi[h] = row_of(h) < rows ? it.kv_end : it.kv_begin;
+    } else {
+      for (int h = 0; h < kThreadRows; ++h) {
+        const int r = row_of(h);
+        row_kv_range(vp, it, r, rows, row0 + r, group, qo_len, kv_len, &r_lo[h], &r_hi[h]);  // never custom: whole
+        if (r < rows) max_lo = max(max_lo, r_lo[h]), min_hi = min(min_hi, r_hi[h]);
+        if (r_lo[h] < r_hi[h]) range_lo = min(range_lo, r_lo[h]), range_hi = max(range_hi, r_hi[h]);
+      }
+      warp_kv_bounds(range_lo, range_hi, max_lo, min_hi);
     }
     const int num_tiles = range_hi > range_lo ? (range_hi - range_lo + Tr::kTileTokens - 1) / Tr::kTileTokens : 0;
 
@@ -496,6 +528,32 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
       loader.load(t, sK + s * Tr::kTileBytes, sV + s * Tr::kTileBytes);
     };
     auto fetch_pages = [&](int t) { loader.fetch_pages(t); };
+    // The pipeline's first kStages - 1 tiles (a commit group each, empty past the last tile) and the next tile's page
+    // ids: for 16-bit K/V now, then the rows' fields; for fp8 after the accumulators' zeros (its measured order).
+    if constexpr (!kFp8) {
+      for (int s = 0; s < Tr::kStages - 1; ++s) {
+        if (s < num_tiles) {
+          fetch_pages(s);
+          load_tile(s, s);
+        }
+        ATTNFORGE_TL(if (tl_one && s == 0) tl_pro[2] = cycles() - tl_t;)
+        cp_async_commit();
+      }
+      if (Tr::kStages - 1 < num_tiles) fetch_pages(Tr::kStages - 1);
+      for (int h = 0; h < kThreadRows; ++h) {
+        const int r = row_of(h);
+        const QueryRow q = query_row(it, row0 + r, group, kv_head);
+        r_tok[h] = q.tok;
+        r_head[h] = q.head;
+        r_pos[h] = query_position(q.tok, qo_len, kv_len);
+        if constexpr (kTrans) {  // lanes 0-3 of a warp hold every row; read after the main loop's first barrier
+          if (warp == 0 && lane < 4) {
+            s_row_info[0][r] = r_tok[h], s_row_info[1][r] = r_head[h], s_row_info[2][r] = r_pos[h];
+            s_row_info[3][r] = r_lo[h], s_row_info[4][r] = r_hi[h];
+          }
+        }
+      }
+    }
 
     float o_acc[D / 8][4];
     for (int n = 0; n < D / 8; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
@@ -504,15 +562,17 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     float m_run[kThreadRows], l_run[kThreadRows];
     for (int h = 0; h < kThreadRows; ++h) m_run[h] = m_init, l_run[h] = 0.f;
 
-    for (int s = 0; s < Tr::kStages - 1; ++s) {
-      if (s < num_tiles) {
-        fetch_pages(s);
-        load_tile(s, s);
+    if constexpr (kFp8) {
+      for (int s = 0; s < Tr::kStages - 1; ++s) {
+        if (s < num_tiles) {
+          fetch_pages(s);
+          load_tile(s, s);
+        }
+        ATTNFORGE_TL(if (tl_one && s == 0) tl_pro[2] = cycles() - tl_t;)
+        cp_async_commit();
       }
-      ATTNFORGE_TL(if (tl_one && s == 0) tl_pro[2] = cycles() - tl_t;)
-      cp_async_commit();
+      if (Tr::kStages - 1 < num_tiles) fetch_pages(Tr::kStages - 1);
     }
-    if (Tr::kStages - 1 < num_tiles) fetch_pages(Tr::kStages - 1);
     ATTNFORGE_TL(if (tl_one) tl_pro[3] = cycles() - tl_t; tl_one = false; tl_lap(0); tl_tiles += num_tiles;)
     // fp8: Q through registers, its global latency behind the K/V copies already in flight; the main loop's first
     // barrier publishes the stores.
