@@ -372,6 +372,13 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
   // decode CTA of one query token holds a GQA group of 4 or 8 rows, on which an m16 tile of rows spends half or more
   // of its mma, exp2 and softmax work on empty rows.
   constexpr bool kTrans = kFp8 || kRowPass == 1;
+  // The prologue's order (see `whole` below): the rows' fields and bounds before tile 0's copies for fp8 K/V, and on
+  // sm_80-89, where the other order made the 2-stage head_dim 128 kernels spill 4 bytes (ptxas 13.0).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  constexpr bool kRowsFirst = true;
+#else
+  constexpr bool kRowsFirst = kFp8;
+#endif
   extern __shared__ __align__(128) uint16_t smem[];
   uint16_t* sQ = smem;
   uint8_t* sK = reinterpret_cast<uint8_t*>(smem) + Tr::kQBytes;
@@ -444,17 +451,18 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     // after it (1 x 32768 timelines: item at 0.8 us, the rows' bounds at 1.6, tile 0's copies out at 2.9). A window
     // or causal rows may start the first tile later; then the prefetch was wasted, not wrong. Measured (H200,
     // perf-notes v20): the split steps level, fp8 64 x 8192 1.1% faster.
-    if constexpr (kFp8) Loader::prefetch_first_pages(kv, page_list, it.kv_begin, it.kv_end);
+    if constexpr (kRowsFirst) Loader::prefetch_first_pages(kv, page_list, it.kv_begin, it.kv_end);
     const int b = m.b, rows = m.rows, qo_start = m.qo_start, qo_len = m.qo_len, kv_len = m.kv_len;
     // 16-bit K/V: where every query token of the item allows all of the item's KV (one token a request and no left
     // window, the usual decode step; or a custom variant, whose mask decides within the item), the CTA's KV range is
     // the item's, known now: tile 0's copies go out right behind Q's, and the rows' fields are found after them. The
     // bounds are monotone in the query position: the item's first token's upper bound and its last token's lower
     // bound decide. Measured (H200, perf-notes v26): head_dim 256 split steps 5% faster, 64 and 128 level.
-    // The fp8 kernels keep the order before it (rows, then copies), written out apart below: in the new order their
-    // registers moved and fp8 64 x 8192 lost 1-2%, and every shared form of the two orders tried moved their code.
+    // kRowsFirst (fp8, sm_80-89) keeps the order before it (rows, then copies), written out apart below: in the new
+    // order the fp8 kernels' registers moved and fp8 64 x 8192 lost 1-2%, and every shared form of the two orders
+    // tried moved their code.
     [[maybe_unused]] bool whole = kCustom;
-    if constexpr (!kFp8) {
+    if constexpr (!kRowsFirst) {
       if constexpr (!kCustom) {
         int lo_first, hi_first, lo_last, hi_last;
         allowed_kv_range(vp, query_position(it.qo_begin, qo_len, kv_len), kv_len, &lo_first, &hi_first);
@@ -482,7 +490,7 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     int r_tok[kThreadRows], r_head[kThreadRows], r_pos[kThreadRows], r_lo[kThreadRows], r_hi[kThreadRows];
     int range_lo = it.kv_end, range_hi = it.kv_begin;
     int max_lo = it.kv_begin, min_hi = it.kv_end;
-    if constexpr (kFp8) {
+    if constexpr (kRowsFirst) {
       for (int h = 0; h < kThreadRows; ++h) {
         const int r = row_of(h);
         const QueryRow q = query_row(it, row0 + r, group, kv_head);
@@ -529,8 +537,8 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     };
     auto fetch_pages = [&](int t) { loader.fetch_pages(t); };
     // The pipeline's first kStages - 1 tiles (a commit group each, empty past the last tile) and the next tile's page
-    // ids: for 16-bit K/V now, then the rows' fields; for fp8 after the accumulators' zeros (its measured order).
-    if constexpr (!kFp8) {
+    // ids: now, then the rows' fields; with kRowsFirst after the accumulators' zeros (the order fp8 was measured in).
+    if constexpr (!kRowsFirst) {
       for (int s = 0; s < Tr::kStages - 1; ++s) {
         if (s < num_tiles) {
           fetch_pages(s);
@@ -562,7 +570,7 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     float m_run[kThreadRows], l_run[kThreadRows];
     for (int h = 0; h < kThreadRows; ++h) m_run[h] = m_init, l_run[h] = 0.f;
 
-    if constexpr (kFp8) {
+    if constexpr (kRowsFirst) {
       for (int s = 0; s < Tr::kStages - 1; ++s) {
         if (s < num_tiles) {
           fetch_pages(s);
