@@ -56,14 +56,18 @@ def main():
     lines.append("")
     lines.append("Ratios are peer time / attnforge time on the same shapes in the same run (above 1: attnforge faster); "
                  "a peer's -graph and -chain figures against attnforge's graph_us and chain_us.")
-    # fp8 K/V cases ("<case> fp8") against their bf16 case: the issue's target is 1.7x faster or more.
+    # fp8 K/V cases ("<case> fp8") against their bf16 case. Issue 3's target (1.7x faster or more) is set for the
+    # two largest batches only; other fp8 cases (several query tokens a request: CTAs that are not bus-bound) get
+    # their speed-up without a target.
+    targeted = {"decode 64x8192 fp8", "decode 256x4096 fp8"}
     by_name = {r["case"]: r for r in ours if r.get("system") == "attnforge"}
     for name, r in by_name.items():
         base = by_name.get(name[:-len(" fp8")]) if name.endswith(" fp8") else None
         if base:
             speedup = base["median_us"] / r["median_us"]
-            lines.append(f"- {name}: {speedup:.2f}x faster than {base['case']} (bf16 K/V); target >= 1.7x: "
-                         f"{'met' if speedup >= 1.7 else 'NOT met'}")
+            verdict = (f"target >= 1.7x: {'met' if speedup >= 1.7 else 'NOT met'}" if name in targeted
+                       else "no target")
+            lines.append(f"- {name}: {speedup:.2f}x faster than {base['case']} (bf16 K/V); {verdict}")
     print("\n".join(lines))
 
 
