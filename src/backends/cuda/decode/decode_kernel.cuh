@@ -538,6 +538,7 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     auto fetch_pages = [&](int t) { loader.fetch_pages(t); };
     // The pipeline's first kStages - 1 tiles (a commit group each, empty past the last tile) and the next tile's page
     // ids: now, then the rows' fields; with kRowsFirst after the accumulators' zeros (the order fp8 was measured in).
+    // Written out at both places: one lambda called at either kept the 16-bit code but moved the fp8 kernels' code.
     if constexpr (!kRowsFirst) {
       for (int s = 0; s < Tr::kStages - 1; ++s) {
         if (s < num_tiles) {
