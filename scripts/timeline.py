@@ -101,6 +101,44 @@ def describe(decode, merge):
     return span, out
 
 
+def spread(decode, num_kv_heads=8):
+    """What the late CTAs have in common: their ends against their start, launch slot, SM load, KV head and piece."""
+    t0 = min(r[0] for r in decode)
+    busy = [(slot, r) for slot, r in enumerate(decode) if r[10] & 0xFFFFFFFF]
+    if len(busy) < 8:
+        return []
+    per_sm = {}
+    for _, r in busy:
+        per_sm[r[10] >> 32] = per_sm.get(r[10] >> 32, 0) + 1
+
+    def corr(xs, ys):
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sx = sum((x - mx) ** 2 for x in xs) ** 0.5
+        sy = sum((y - my) ** 2 for y in ys) ** 0.5
+        return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / (sx * sy) if sx and sy else 0.0
+
+    ends = [r[1] - t0 for _, r in busy]
+    out = [f"  spread: end against start r={corr([r[0] - t0 for _, r in busy], ends):+.2f}, against launch slot "
+           f"r={corr([s for s, _ in busy], ends):+.2f}, against tile 0 landed "
+           f"r={corr([(r[9] or r[0]) - t0 for _, r in busy], ends):+.2f}, against SM id "
+           f"r={corr([r[10] >> 32 for _, r in busy], ends):+.2f}"]
+    for n in sorted(set(per_sm.values())):
+        e = [r[1] - t0 for _, r in busy if per_sm[r[10] >> 32] == n]
+        out.append(f"    CTAs on SMs holding {n}: {len(e)}, end {fmt(e)} us")
+    heads = {}
+    for s, r in busy:
+        heads.setdefault(s % num_kv_heads, []).append(r[1] - t0)
+    out.append("    end p50 by KV head (slot % heads): " + " ".join(f"{statistics.median(v) / 1e3:.1f}" for _, v in sorted(heads.items())))
+    pieces = {}
+    for s, r in busy:
+        pieces.setdefault((s // num_kv_heads) * 4 // max(1, (len(decode) + num_kv_heads - 1) // num_kv_heads), []).append(r[1] - t0)
+    out.append("    end p50 by item quarter (slot / heads): " + " ".join(f"{statistics.median(v) / 1e3:.1f}" for _, v in sorted(pieces.items())))
+    late = sorted(busy, key=lambda x: x[1][1])[-8:]
+    out.append("    the 8 last: " + ", ".join(f"slot {s} sm {r[10] >> 32} start {(r[0] - t0) / 1e3:.1f} tile0 "
+                                          f"{((r[9] or r[0]) - t0) / 1e3:.1f} end {(r[1] - t0) / 1e3:.1f}" for s, r in late))
+    return out
+
+
 def main() -> int:
     name, path = sys.argv[1], sys.argv[2]
     steps = [(d, m) for d, m in read_steps(path) if d]
@@ -112,6 +150,9 @@ def main() -> int:
     print(f"timeline {name}: {len(steps)} launches, decode span min/median/max "
           f"{spans[0] / 1e3:.1f} / {spans[len(spans) // 2] / 1e3:.1f} / {spans[-1] / 1e3:.1f} us; the median launch:")
     for line in described[len(described) // 2][1]:
+        print("  " + line)
+    median_decode = sorted((d for d, _ in steps[1:] or steps), key=lambda d: max(r[1] for r in d) - min(r[0] for r in d))
+    for line in spread(median_decode[len(median_decode) // 2]):
         print("  " + line)
     return 0
 

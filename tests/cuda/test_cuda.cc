@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <ostream>
 #include <random>
 #include <string>
@@ -940,10 +941,10 @@ std::string kernel_merge_mode() {
 TEST(CudaKernelMerge, ChosenByBatchShape) {
   if (kernel_merge_mode() == "stream") GTEST_SKIP() << "every merge is streamed under ATTNFORGE_DECODE_KERNEL_MERGE=stream";
   auto plan_of = [](CaseSpec s) { return cuda_decode_plan(make_case(s)); };
-  if (kernel_merge_mode() == "1") {
-    const AttentionPlan streamed = plan_of(serving_decode(4, 9000, 16));
-    EXPECT_EQ(streamed.merge_counters, 0) << streamed.describe();
-    EXPECT_GT(streamed.merge_flags, 0) << streamed.describe();
+  if (kernel_merge_mode() == "1") {  // small batches at head_dim 128 too: no streaming by default
+    const AttentionPlan small = plan_of(serving_decode(1, 32768, 16));
+    EXPECT_GT(small.merge_counters, 0) << small.describe();
+    EXPECT_EQ(small.merge_flags, 0) << small.describe();
   }
   const AttentionPlan one = plan_of(serving_decode(5, 9000, 16));
   ASSERT_FALSE(one.merges.empty()) << one.describe();
@@ -1032,9 +1033,9 @@ TEST(CudaKernelMerge, SeveralPassesMatchTheReference) {
 // (AttentionPlan::merge_flags). Skipped in the other modes.
 // Streamed: batches of at most 32 (request, KV head) pairs at head_dim 128 by default, every decode merge with
 // ATTNFORGE_DECODE_KERNEL_MERGE=stream.
-bool streamed_merges(int head_dim = 128) {
-  return kernel_merge_mode() == "stream" || (kernel_merge_mode() == "1" && head_dim == 128);
-}
+// Streamed merges are made under ATTNFORGE_DECODE_KERNEL_MERGE=stream only (scripts/device-check runs the decode
+// tests in that mode too).
+bool streamed_merges(int = 128) { return kernel_merge_mode() == "stream"; }
 
 // Runs `s` twice on one workspace with streamed merges (expect_merges_run_twice: the flags). Returns the plan.
 AttentionPlan expect_streamed_merge(CaseSpec s) {
@@ -1115,6 +1116,85 @@ TEST(CudaStreamMerge, ManyStatesAndUnevenBlocksMatchTheReference) {
   v.options.causal = true;
   v.seed = 95;
   expect_streamed_merge(v);
+}
+
+// Calls on one stream without a sync between them, as the layers of a serving step make them: each call's merge grid
+// may be scheduled while the call before it is still finishing (programmatic launches), so no call may see another
+// call's flags or partial states. Four inputs of the same lengths share one plan and workspace; each round runs
+// them back to back (eagerly, then as one captured graph replayed), and every output is checked after the round.
+void expect_back_to_back_calls(CaseSpec s, bool graph) {
+  constexpr int kCalls = 4, kRounds = 6;
+  std::vector<std::unique_ptr<Case>> cases;
+  std::vector<std::unique_ptr<DeviceCase>> devs;
+  for (int i = 0; i < kCalls; ++i) {
+    s.seed += 1;
+    cases.push_back(std::make_unique<Case>(make_case(s)));
+    devs.push_back(std::make_unique<DeviceCase>(*cases.back()));
+  }
+  AttentionPlan plan = cuda_decode_plan(*cases[0]);
+  ASSERT_FALSE(plan.merges.empty()) << plan.describe();
+  const UploadedPlan uploaded(plan);
+  ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+  cudaStream_t stream;
+  ASSERT_EQ(cudaSuccess, cudaStreamCreate(&stream));
+  auto run_all = [&] {
+    for (int i = 0; i < kCalls; ++i)
+      run(plan, devs[i]->q, devs[i]->paged, Outputs{devs[i]->out, devs[i]->lse}, devs[i]->options, uploaded.w, stream);
+  };
+  cudaGraphExec_t exec = nullptr;
+  cudaGraph_t g = nullptr;
+  if (graph) {
+    ASSERT_EQ(cudaSuccess, cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    run_all();
+    ASSERT_EQ(cudaSuccess, cudaStreamEndCapture(stream, &g));
+    ASSERT_EQ(cudaSuccess, cudaGraphInstantiate(&exec, g, 0));
+  }
+  for (int round = 0; round < kRounds; ++round) {
+    for (int i = 0; i < kCalls; ++i) {
+      cases[i]->poison_outputs();
+      devs[i]->upload_outputs(*cases[i]);
+    }
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    if (graph)
+      ASSERT_EQ(cudaSuccess, cudaGraphLaunch(exec, stream));
+    else
+      run_all();
+    ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(stream));
+    for (int i = 0; i < kCalls; ++i) {
+      devs[i]->download_outputs(*cases[i]);
+      const Verdict v = check_case(*cases[i], sample_rows(*cases[i], 8));
+      EXPECT_TRUE(v.ok) << (graph ? "graph" : "eager") << " round " << round << ", call " << i << ": " << v.message
+                        << "\n  plan: " << plan.describe();
+    }
+  }
+  if (graph) {
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(g);
+  }
+  cudaStreamDestroy(stream);
+}
+
+TEST(CudaStreamMerge, BackToBackCallsMatchTheReference) {
+  if (!streamed_merges()) GTEST_SKIP() << "merges are not streamed in this mode";
+  CaseSpec s = serving_decode(1, 20000, 16);
+  s.seed = 96;
+  ASSERT_GT(cuda_decode_plan(make_case(s)).merge_flags, 0);
+  expect_back_to_back_calls(s, false);
+  expect_back_to_back_calls(s, true);
+}
+
+// The same for the other merge modes: merges in the decode kernel (its arrival counters; one long request and a
+// batch of 12) and the merge kernel (deterministic plans).
+TEST(CudaKernelMerge, BackToBackCallsMatchTheReference) {
+  for (CaseSpec s : {serving_decode(1, 20000, 16), serving_decode(12, 3000, 16)}) {
+    s.seed = 97;
+    expect_back_to_back_calls(s, false);
+    expect_back_to_back_calls(s, true);
+  }
+  CaseSpec det = serving_decode(1, 20000, 16);
+  det.plan.deterministic = true;
+  det.seed = 98;
+  expect_back_to_back_calls(det, false);
 }
 
 // Decode batches too small to fill the GPU run the small-batch pipeline (AttentionPlan::kv_stages: 3 K/V stages with

@@ -159,13 +159,15 @@ class CudaBackend final : public Backend {
   // The decode kernel merges split KV itself (decode_kernel.cuh, merge_split_rows): its CTAs hold 16 rows and its
   // last CTA of a merge combines states in the kernel's shared memory: in up to four passes in batches of a wave or
   // more, in one in smaller batches (a second pass made 1 x 32768 at head_dim 64, 49 states, 2 us slower than the
-  // merge kernel: H200, 93fa9ce). At head_dim 128 with 16-bit K/V, batches of at most kStreamMaxPairs (request,
-  // KV head) pairs (whose merges hold many states each) stream them instead: the merge kernel runs beside the decode
-  // kernel and folds the states as their CTAs finish (merge_kernel.cuh, merge_streamed). ATTNFORGE_DECODE_KERNEL_MERGE=0 leaves every
-  // merge to the merge kernel after the decode kernel (A/B runs); =kernel keeps every merge in the decode kernel
-  // where it fits (no streaming); =several lets small batches take four passes too (the tests of that path); =stream
-  // streams every decode merge of 16-bit K/V (README).
-  static constexpr int64_t kStreamMaxPairs = 32;
+  // merge kernel: H200, 93fa9ce). ATTNFORGE_DECODE_KERNEL_MERGE=0 leaves every merge to the merge kernel after the
+  // decode kernel (A/B runs); =1 and =kernel (the default) merge in the decode kernel where it fits; =several lets
+  // small batches take four passes too (the tests of that path); =stream streams every decode merge of 16-bit K/V
+  // instead: the merge kernel runs beside the decode kernel and folds the states as their CTAs finish
+  // (merge_kernel.cuh, merge_streamed). Streaming was the default for small head_dim 128 batches from session 27 to
+  // 32, on figures that a bug made too fast (its merge grid could fold the call before's states: perf-notes v27);
+  // measured right (H200, session 32), merges in the decode kernel are as fast as plain calls and 1-1.2 us faster in
+  // graphs at 1 x 32768 (46.1-46.4 / 43.1-43.5 / 39.7 us against 46.2-46.6 / 43.9-44.6 / 40.8-40.9), level at 1 x 2048
+  // in graphs of many (10.4 against 10.6-10.7 us).
   DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const override {
     static const std::string mode =
         detail::env_choice("ATTNFORGE_DECODE_KERNEL_MERGE", {"0", "1", "kernel", "several", "stream"}, "1");
@@ -176,8 +178,6 @@ class CudaBackend final : public Backend {
                   4, mode == "several" ? 4 : 1};
     if (mode == "stream" && !cuda::is_fp8(s.kv_dtype))  // the fp8 kernels do not stream (decode_kernel.cuh)
       m.stream_max_pairs = std::numeric_limits<int64_t>::max();
-    else if (mode == "1" && s.head_dim_qk == 128 && !cuda::is_fp8(s.kv_dtype))
-      m.stream_max_pairs = kStreamMaxPairs;
     return m;
   }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).

@@ -421,12 +421,6 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
   // memory (they were its fourth: the PlanView, the item, the request arrays; 0.7-0.9 us each in the per-CTA
   // timelines of 1 x 32768).
   const int num_items = plan.num_items;
-  // Streamed merges: the merge kernel is scheduled from the start, so its CTAs are resident when the states land.
-  // (After the dependency wait below instead, the merge CTAs came later and 1 x 32768 ran 4-6 us slower: H200,
-  // session 27, perf-notes v22.) 16-bit K/V only: the fp8 kernels never stream (CudaBackend::decode_merge), and
-  // compiled into them this code cost fp8 64 x 8192 3-5% (their registers moved).
-  if constexpr (!kFp8)
-    if (p.merge_flags != nullptr) grid_launch_dependents();
   bool left = false;  // an item left to the other row pass
   for (int item_index = linear / p.num_kv_heads;; item_index += gridDim.x) {
     WorkItem it{};
@@ -446,6 +440,14 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     // wait, and everything the caller gives (the page table, Q, K/V, option tensors) after it, as is every write. A
     // no-op after the first item, and without the launch attribute.
     grid_dependency_wait();
+    // Streamed merges: the merge kernel may be scheduled once every CTA is past this wait, so its CTAs are resident
+    // when the states land. Not before it: the merge grid of the call before this one may still be folding its
+    // states and putting its flags back to zero, and a merge grid let in at this kernel's start (as until session
+    // 32) could see those flags and fold the call before's states (CudaStreamMerge.BackToBackCallsMatchTheReference).
+    // 16-bit K/V only: the fp8 kernels never stream (CudaBackend::decode_merge), and compiled into them this code
+    // cost fp8 64 x 8192 3-5% (their registers moved).
+    if constexpr (!kFp8)
+      if (p.merge_flags != nullptr) grid_launch_dependents();
     const int64_t page_list = Loader::page_list_of(kv, it);
     // Tile 0's page-table lines head for L1 now, so that their trip runs under the row arithmetic below rather than
     // after it (1 x 32768 timelines: item at 0.8 us, the rows' bounds at 1.6, tile 0's copies out at 2.9). A window

@@ -38,6 +38,14 @@ __device__ __forceinline__ int32_t load_acquire_gpu(const int32_t* p) {
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// `p` through a register move the compiler cannot see through: addresses made from it are made where they are used,
+// not hoisted out of the loop around them into registers of their own.
+template <typename T>
+__device__ __forceinline__ const T* opaque_pointer(const T* p) {
+  const T* q;
+  asm volatile("mov.b64 %0, %1;\n" : "=l"(q) : "l"(p));
+  return q;
+}
 // Brings the line holding *p into this SM's L1 (no register, nothing waits for it): a later load finds it there.
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

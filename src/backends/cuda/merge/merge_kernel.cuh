@@ -290,6 +290,69 @@ __device__ __forceinline__ void stream_rows(const AttentionParams& p, const Merg
   }
 }
 
+// stream_rows for the usual decode merge (head_dim 128, a warp per row, one (row, four dims) pair a thread, at most
+// 32 states): each state's O quad is loaded as soon as its flag is seen, whatever the KV order, into registers of
+// its own (o[k], unrolled), and lane k keeps state k's LSE. The states are combined only once all have landed, in
+// KV order (the maximum, the weights and their sum by a fixed shuffle tree, then the weighted O in state order), so
+// the result does not depend on the order the flags appear in. stream_rows folds the ready prefix in KV order as it
+// goes, so a state that ends late held back every later one: when the last flag appeared, 20-30 of a merge's 32
+// states were still to load, four batches of serial trips (1 x 32768: the merge ended 4.5 us after the last decode
+// CTA; per-CTA timelines, H200, session 32).
+__device__ __forceinline__ void stream_rows_resident(const AttentionParams& p, const MergeItem& mi, int32_t* flags,
+                                                     int first_row, int qo_start, int row0, int rows,
+                                                     long long* tl_seen) {
+  constexpr int D = 128, kMaxStates = 32;
+  const int heads = p.num_qo_heads, group = heads / p.num_kv_heads, kv_head = static_cast<int>(blockIdx.y);
+  const int lane = threadIdx.x % 32, r = row0 + static_cast<int>(threadIdx.x) / 32, states = mi.num_items;
+  if (r >= row0 + rows) return;  // warp-uniform: a warp per row
+  const int64_t lse_step = static_cast<int64_t>(mi.qo_end - mi.qo_begin) * heads;
+  const int64_t lse0 = static_cast<int64_t>(first_row + r / group) * heads + kv_head * group + r % group;
+  const float* const o0 = p.partial_o + lse0 * D + 4 * lane;
+  float4 o[kMaxStates];
+#pragma unroll
+  for (int k = 0; k < kMaxStates; ++k) o[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float lse = -ATTNFORGE_INFINITY;  // state `lane`'s
+  unsigned pending = states >= kMaxStates ? 0xffffffffu : (1u << states) - 1u;  // warp-uniform
+  while (pending != 0u) {
+    const bool ready = !((pending >> lane) & 1u) || load_acquire_gpu(flags + lane) != 0;
+    __syncwarp();  // the lanes' acquires order every lane's loads below (.cg: never a stale L1 line)
+    const unsigned got = __ballot_sync(0xffffffffu, ready) & pending;
+    if (got == 0u) continue;
+    if ((got >> lane) & 1u) lse = load_cg(p.partial_lse + lse0 + lane * lse_step);
+    // Each address made from the one before through a move the compiler cannot see through, right before its
+    // load: made all at once (or hoisted out of the loop), the 32 of them took 64 registers.
+    const float* src = o0;
+#pragma unroll
+    for (int k = 0; k < kMaxStates; ++k) {
+      src = opaque_pointer(src);
+      if ((got >> k) & 1u) o[k] = load_cg4(src);
+      src += lse_step * D;
+    }
+    pending &= ~got;
+  }
+  ATTNFORGE_TL(if (tl_seen) *tl_seen = global_ns();)
+  float m = lse;
+  for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
+  const float w = lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);  // every state empty: m = -inf, w = 0
+  float l = w;
+  for (int x = 16; x > 0; x >>= 1) l += __shfl_xor_sync(0xffffffffu, l, x);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int k = 0; k < kMaxStates; ++k) {
+    const float wk = __shfl_sync(0xffffffffu, w, k);
+    acc.x += wk * o[k].x, acc.y += wk * o[k].y, acc.z += wk * o[k].z, acc.w += wk * o[k].w;
+  }
+  const int tok = mi.qo_begin + r / group, h = kv_head * group + r % group;
+  float out_lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
+  const float f = (l > 0.f ? 1.f / l : 0.f) * apply_sink(p.variant, h, &out_lse);
+  const int64_t out = (qo_start + tok) * p.o_stride_token + h * p.o_stride_head + 4 * lane;
+  store_element(p.o, p.o_dtype, out, acc.x * f);
+  store_element(p.o, p.o_dtype, out + 1, acc.y * f);
+  store_element(p.o, p.o_dtype, out + 2, acc.z * f);
+  store_element(p.o, p.o_dtype, out + 3, acc.w * f);
+  if (p.lse && lane == 0) p.lse[(qo_start + tok) * p.lse_stride_token + h] = out_lse;
+}
+
 // A CTA's threads: four pairs a thread at most (head_dim 256: 256 threads).
 template <int D>
 constexpr int kStreamThreads = D <= 128 ? kMergeThreads : 2 * kMergeThreads;
@@ -316,7 +379,9 @@ __device__ __forceinline__ void merge_streamed(const AttentionParams& p) {
     ATTNFORGE_TL(seen = &tl_seen;)
     constexpr int kMaxPairs = kRows * kQuads / kThreads;  // 2 at head_dim 64, else 4
     const int pairs = (rows * kQuads + kThreads - 1) / kThreads;
-    if (pairs <= 1)
+    if (D == 128 && pairs <= 1 && mi.num_items <= 32)
+      stream_rows_resident(p, mi, flags, first_row, qo_start, row0, rows, seen);
+    else if (pairs <= 1)
       stream_rows<D, kThreads, 1>(p, mi, flags, first_row, qo_start, row0, rows, seen);
     else if (pairs <= 2 || kMaxPairs <= 2)
       stream_rows<D, kThreads, 2>(p, mi, flags, first_row, qo_start, row0, rows, seen);
@@ -347,9 +412,12 @@ __global__ void __launch_bounds__(kMergeThreads, 5) merge_kernel(const Attention
 }
 
 // Streamed merges (merge_streamed), over merge_dims' grid; launched as a programmatic dependent of the decode kernel
-// where the GPU has it, else after it (every flag is then set when a CTA starts). No register cap: a CTA holds up to
-// 16 rows and its (m, l, o) of up to 4 pairs a thread (kStreamThreads), and its grid is the decode grid's merges.
-__global__ void __launch_bounds__(2 * kMergeThreads) merge_stream_kernel(const AttentionParams p) {
+// where the GPU has it, else after it (every flag is then set when a CTA starts). A CTA holds up to 16 rows and its
+// (m, l, o) of up to 4 pairs a thread (kStreamThreads), or 32 states' O quads (stream_rows_resident). At most 168
+// registers (no launch bounds: they cannot go with __maxnreg__; up to 256 threads a CTA): a CTA of 128 threads then
+// fits beside two 168-register CTAs of the head_dim 128 decode kernel, as the merge CTAs must, so that they poll
+// while the decode grid streams (at 186 registers they fitted only SMs holding one decode CTA).
+__global__ void __maxnreg__(168) merge_stream_kernel(const AttentionParams p) {
   switch (p.head_dim_vo) {
     case 64: merge_streamed<64>(p); break;
     case 128: merge_streamed<128>(p); break;
