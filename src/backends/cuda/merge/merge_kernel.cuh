@@ -213,6 +213,20 @@ __device__ __forceinline__ void merge_items(const AttentionParams& p, float* s_m
 // not release: this grid starts only once every decode CTA has (launch_dependents), so every CTA it waits for is
 // resident or done, and each (item, KV head, row block) with rows publishes exactly once.
 
+// A streamed merge's output for four dims d4 .. d4 + 3 of (token `tok` of Q and O, query head h) from the states'
+// maximum m, weight sum l and weighted sum acc: normalized, sinks folded in, and the LSE with the first four dims.
+__device__ __forceinline__ void write_merged_quad(const AttentionParams& p, int tok, int h, int d4, float m, float l,
+                                                  float4 acc) {
+  float lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
+  const float f = (l > 0.f ? 1.f / l : 0.f) * apply_sink(p.variant, h, &lse);
+  const int64_t out = static_cast<int64_t>(tok) * p.o_stride_token + h * p.o_stride_head + d4;
+  store_element(p.o, p.o_dtype, out, acc.x * f);
+  store_element(p.o, p.o_dtype, out + 1, acc.y * f);
+  store_element(p.o, p.o_dtype, out + 2, acc.z * f);
+  store_element(p.o, p.o_dtype, out + 3, acc.w * f);
+  if (p.lse && d4 == 0) p.lse[static_cast<int64_t>(tok) * p.lse_stride_token + h] = lse;
+}
+
 // One merge's rows row0 .. row0 + rows - 1 (packed: token x head of the group) at kPairs (row, four dims) pairs a
 // thread (kThreads of them), kBatch states' loads in flight together (40 registers of them whatever kPairs).
 template <int D, int kThreads, int kPairs>
@@ -278,15 +292,7 @@ __device__ __forceinline__ void stream_rows(const AttentionParams& p, const Merg
   for (int j = 0; j < kPairs; ++j) {
     if (lse_row[j] < 0) continue;
     const int r = row0 + (threadIdx.x + j * kThreads) / kQuads;
-    const int tok = mi.qo_begin + r / group, h = kv_head * group + r % group;
-    float lse = l[j] > 0.f ? m[j] + log2f(l[j]) : -ATTNFORGE_INFINITY;
-    const float f = (l[j] > 0.f ? 1.f / l[j] : 0.f) * apply_sink(p.variant, h, &lse);
-    const int64_t out = (qo_start + tok) * p.o_stride_token + h * p.o_stride_head + q4;
-    store_element(p.o, p.o_dtype, out, acc[j].x * f);
-    store_element(p.o, p.o_dtype, out + 1, acc[j].y * f);
-    store_element(p.o, p.o_dtype, out + 2, acc[j].z * f);
-    store_element(p.o, p.o_dtype, out + 3, acc[j].w * f);
-    if (p.lse && q4 == 0) p.lse[(qo_start + tok) * p.lse_stride_token + h] = lse;
+    write_merged_quad(p, qo_start + mi.qo_begin + r / group, kv_head * group + r % group, q4, m[j], l[j], acc[j]);
   }
 }
 
@@ -342,15 +348,7 @@ __device__ __forceinline__ void stream_rows_resident(const AttentionParams& p, c
     const float wk = __shfl_sync(0xffffffffu, w, k);
     acc.x += wk * o[k].x, acc.y += wk * o[k].y, acc.z += wk * o[k].z, acc.w += wk * o[k].w;
   }
-  const int tok = mi.qo_begin + r / group, h = kv_head * group + r % group;
-  float out_lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
-  const float f = (l > 0.f ? 1.f / l : 0.f) * apply_sink(p.variant, h, &out_lse);
-  const int64_t out = (qo_start + tok) * p.o_stride_token + h * p.o_stride_head + 4 * lane;
-  store_element(p.o, p.o_dtype, out, acc.x * f);
-  store_element(p.o, p.o_dtype, out + 1, acc.y * f);
-  store_element(p.o, p.o_dtype, out + 2, acc.z * f);
-  store_element(p.o, p.o_dtype, out + 3, acc.w * f);
-  if (p.lse && lane == 0) p.lse[(qo_start + tok) * p.lse_stride_token + h] = out_lse;
+  write_merged_quad(p, qo_start + mi.qo_begin + r / group, kv_head * group + r % group, 4 * lane, m, l, acc);
 }
 
 // A CTA's threads: four pairs a thread at most (head_dim 256: 256 threads).
