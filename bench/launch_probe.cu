@@ -1,6 +1,8 @@
 // Host time of kernel launches on this machine: empty kernels with 16-byte and 1 KB parameters, <<<>>> and
 // cudaLaunchKernelEx (with the programmatic-serialization attribute), one and two launches a call; and the events'
-// time around one call after a sync (what a plain-median bench figure pays beyond the kernels).
+// time around one call after a sync (what a plain-median bench figure pays beyond the kernels). "after sync": the
+// host time of a call made right after cudaEventRecord following a sync, as the bench's plain loop times run();
+// "100 KB smem": the launch asks for 100 KB of dynamic shared memory (the decode kernels' 3-stage head_dim 128 form).
 // Build: nvcc -O2 -arch=sm_90a -o launch_probe bench/launch_probe.cu (on any machine with nvcc; run it on the GPU machine).
 #include <cuda_runtime.h>
 #include <algorithm>
@@ -11,6 +13,13 @@ struct Small { long long a, b; };
 struct Big { long long a[128]; };
 __global__ void k_small(Small s) { if (s.a == 12345) asm volatile("trap;"); }
 __global__ void k_big(Big s) { if (s.a[0] == 12345) asm volatile("trap;"); }
+__global__ void k_smem(Big s) {
+  extern __shared__ long long sm[];
+  if (s.a[0] == 12345) {
+    sm[threadIdx.x] = 1;
+    asm volatile("trap;");
+  }
+}
 template <class F> double median_host(F&& f, int n = 2000) {
   std::vector<double> t;
   for (int i = 0; i < n; ++i) {
@@ -19,6 +28,20 @@ template <class F> double median_host(F&& f, int n = 2000) {
     f();
     t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
   }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+template <class F> double median_host_after_sync(F&& f, int n = 500) {
+  cudaEvent_t e0; cudaEventCreate(&e0);
+  std::vector<double> t;
+  for (int i = 0; i < n; ++i) {
+    cudaDeviceSynchronize();
+    cudaEventRecord(e0);
+    auto h0 = std::chrono::steady_clock::now();
+    f();
+    t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
+  }
+  cudaDeviceSynchronize();
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
@@ -41,18 +64,27 @@ int main() {
     cudaLaunchConfig_t c{}; c.gridDim = dim3(128); c.blockDim = dim3(128); c.attrs = &attr; c.numAttrs = pdl ? 1 : 0;
     cudaLaunchKernelEx(&c, k_big, b);
   };
-  k_small<<<1, 32>>>(s); k_big<<<1, 32>>>(b); cudaDeviceSynchronize();
-  struct Row { const char* name; double host, events; };
+  constexpr int kSmem = 100 * 1024;
+  cudaFuncSetAttribute(k_smem, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  auto ex_smem = [&](bool pdl, int grid) {
+    cudaLaunchConfig_t c{}; c.gridDim = dim3(grid); c.blockDim = dim3(128); c.dynamicSmemBytes = kSmem;
+    c.attrs = &attr; c.numAttrs = pdl ? 1 : 0;
+    cudaLaunchKernelEx(&c, k_smem, b);
+  };
+  k_small<<<1, 32>>>(s); k_big<<<1, 32>>>(b); ex_smem(false, 1); cudaDeviceSynchronize();
+  struct Row { const char* name; double host, after_sync, events; };
   std::vector<Row> rows;
-  auto add = [&](const char* n, auto f) { rows.push_back({n, median_host(f), median_events(f)}); };
+  auto add = [&](const char* n, auto f) { rows.push_back({n, median_host(f), median_host_after_sync(f), median_events(f)}); };
   add("<<<>>> 16 B params", [&] { k_small<<<128, 128>>>(s); });
   add("<<<>>> 1 KB params", [&] { k_big<<<128, 128>>>(b); });
   add("cudaLaunchKernelEx 1 KB", [&] { ex_big(false); });
   add("cudaLaunchKernelEx 1 KB + PDL attribute", [&] { ex_big(true); });
+  add("cudaLaunchKernelEx 1 KB, 100 KB smem, 256 CTAs, PDL", [&] { ex_smem(true, 256); });
+  add("cudaLaunchKernelEx 1 KB, 100 KB smem, 256 CTAs", [&] { ex_smem(false, 256); });
   add("two launches, 1 KB, the second PDL (decode + merge)", [&] { ex_big(false); ex_big(true); });
   add("two launches, 16 B", [&] { k_small<<<128, 128>>>(s); k_small<<<128, 128>>>(s); });
   add("cudaGetDevice x5 + cudaGetLastError", [&] { int d; for (int i = 0; i < 5; ++i) cudaGetDevice(&d); cudaGetLastError(); });
-  printf("%-55s %12s %14s\n", "launch", "host us", "events us");
-  for (auto& r : rows) printf("%-55s %12.2f %14.2f\n", r.name, r.host, r.events);
+  printf("%-55s %12s %18s %14s\n", "launch", "host us", "host after sync", "events us");
+  for (auto& r : rows) printf("%-55s %12.2f %18.2f %14.2f\n", r.name, r.host, r.after_sync, r.events);
   printf("error: %s\n", cudaGetErrorString(cudaGetLastError()));
 }
