@@ -20,30 +20,25 @@ __global__ void k_smem(Big s) {
     asm volatile("trap;");
   }
 }
-template <class F> double median_host(F&& f, int n = 2000) {
-  std::vector<double> t;
-  for (int i = 0; i < n; ++i) {
-    if (i % 64 == 0) cudaDeviceSynchronize();
-    auto h0 = std::chrono::steady_clock::now();
-    f();
-    t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
-  }
+double median(std::vector<double> t) {
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
-template <class F> double median_host_after_sync(F&& f, int n = 500) {
+// Host time of f(): back to back with a sync every 64 calls, or (after_sync) each call right after a sync and an event
+// record, as the bench's plain loop calls run().
+template <class F> double median_host(F&& f, bool after_sync, int n = 2000) {
   cudaEvent_t e0; cudaEventCreate(&e0);
   std::vector<double> t;
   for (int i = 0; i < n; ++i) {
-    cudaDeviceSynchronize();
-    cudaEventRecord(e0);
+    if (after_sync || i % 64 == 0) cudaDeviceSynchronize();
+    if (after_sync) cudaEventRecord(e0);
     auto h0 = std::chrono::steady_clock::now();
     f();
     t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count());
   }
   cudaDeviceSynchronize();
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  cudaEventDestroy(e0);
+  return median(t);
 }
 template <class F> double median_events(F&& f, int n = 500) {
   cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
@@ -53,8 +48,7 @@ template <class F> double median_events(F&& f, int n = 500) {
     cudaEventRecord(e0); f(); cudaEventRecord(e1); cudaEventSynchronize(e1);
     float ms; cudaEventElapsedTime(&ms, e0, e1); t.push_back(ms * 1e3);
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return median(t);
 }
 int main() {
   Small s{1, 2}; Big b{}; b.a[0] = 1;
@@ -74,7 +68,7 @@ int main() {
   k_small<<<1, 32>>>(s); k_big<<<1, 32>>>(b); ex_smem(false, 1); cudaDeviceSynchronize();
   struct Row { const char* name; double host, after_sync, events; };
   std::vector<Row> rows;
-  auto add = [&](const char* n, auto f) { rows.push_back({n, median_host(f), median_host_after_sync(f), median_events(f)}); };
+  auto add = [&](const char* n, auto f) { rows.push_back({n, median_host(f, false), median_host(f, true, 500), median_events(f)}); };
   add("<<<>>> 16 B params", [&] { k_small<<<128, 128>>>(s); });
   add("<<<>>> 1 KB params", [&] { k_big<<<128, 128>>>(b); });
   add("cudaLaunchKernelEx 1 KB", [&] { ex_big(false); });
