@@ -146,21 +146,44 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
   }
 }
 
-// Counts this CTA's written state into its merge (AttentionParams::merge_counters); true in the CTA that arrives
-// last, which then merges. Release: the barrier orders every thread's partial-state writes before thread 0's
-// acq_rel atomic (cumulativity); acquire: the merging threads' reads come after that atomic and the second barrier.
-// The last CTA puts the counter back to zero for the next launch.
+// Merges in the decode kernel (AttentionParams::merge_counters): one 32-bit word per merge, KV head and row block
+// counts the merge's CTAs twice, arrivals in its low 16 bits and written states in its high 16 (a merge has at most
+// a few thousand states: decode_merges_in_kernel). A CTA arrives as its tile loop ends (merge_arrive: a relaxed
+// atomic, whose trip runs under the finish), and the one that arrives last merges. The others, once their partial
+// rows are written, count their state (merge_publish: the barrier orders every thread's writes before thread 0's
+// release); the merging CTA writes its own state too, then waits for the others' (an acquire load, usually one trip:
+// they arrived first) and puts the word back to zero for the next launch. Against one acq_rel count after the rows
+// (until session 34), the merging CTA no longer waits for its own writes' fence and then the atomic's trip.
+__device__ __forceinline__ int32_t* merge_counter(const AttentionParams& p, const WorkItem& it, int kv_head) {
+  return p.merge_counters + (static_cast<int64_t>(it.merge) * p.num_kv_heads + kv_head) * gridDim.z + blockIdx.z;
+}
+constexpr int32_t kMergeArrival = 1, kMergeWritten = 1 << 16;
+// Thread 0: this CTA's arrival; the arrivals before it (low bits of the word before the add).
+__device__ __forceinline__ int32_t merge_arrive(const AttentionParams& p, const WorkItem& it, int kv_head) {
+  int32_t before;
+  asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], %2;\n"
+               : "=r"(before)
+               : "l"(merge_counter(p, it, kv_head)), "r"(kMergeArrival)
+               : "memory");
+  return before & (kMergeWritten - 1);
+}
+// After the CTA's partial rows are written: true in the CTA that arrived last, once every other state is written.
 template <class Tr>
-__device__ __forceinline__ bool arrive_at_merge(const AttentionParams& p, const WorkItem& it, int kv_head) {
+__device__ __forceinline__ bool merge_publish(const AttentionParams& p, const WorkItem& it, int kv_head,
+                                              int32_t arrivals_before) {
   __shared__ int s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* counter = p.merge_counters + (static_cast<int64_t>(it.merge) * p.num_kv_heads + kv_head) * gridDim.z +
-                   blockIdx.z;
-    int before;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
-    const bool last = before == it.merge_states - 1;
-    if (last) *counter = 0;
+    int32_t* counter = merge_counter(p, it, kv_head);
+    const bool last = arrivals_before == it.merge_states - 1;
+    if (!last) {
+      asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(counter), "r"(kMergeWritten) : "memory");
+    } else {
+      const int32_t others = (it.merge_states - 1) * kMergeWritten;
+      while ((load_acquire_gpu(counter) & ~(kMergeWritten - 1)) != others) {
+      }
+      *counter = 0;
+    }
     s_last = last;
   }
   __syncthreads();
@@ -177,16 +200,17 @@ __device__ __forceinline__ void publish_state(const AttentionParams& p, int item
   }
 }
 
-// The last CTA of a merge combines the states of its rows (row0 .. row0 + rows - 1 of every piece of the request) in
-// the kernel's shared memory, which the K/V stages and Q no longer need (the caller's barrier). A thread owns (row,
-// four dims) pairs: it copies its pairs' O slices of every state by cp.async through L2 and later reads back only
-// those, so an O copy costs a pointer step and no index arithmetic (the first version spent 16 us of one CTA on it
-// and on per-state divisions: H200 timelines, perf-notes). The LSEs go to shared memory beside them in the same trip;
-// a warp per row turns them into the row's maximum m, weight sum l and per-state weights 2^(lse - m) by shuffles.
-// States are summed in KV order whichever CTA merges. The output and LSE are written as the merge kernel writes
-// them (finish_row). More states than one pass holds (a skewed batch's longest request, where the planner allows
-// several passes: decode_merges_in_kernel) first run over the LSEs alone for m and l, then pass by pass over LSEs
-// and O.
+// The merging CTA (merge_publish) combines the states of its rows (row0 .. row0 + rows - 1 of every piece of the
+// request) in the kernel's shared memory, which the K/V stages and Q no longer need (the caller's barrier). A thread
+// owns (row, four dims) pairs: it copies its pairs' O slices of every state by cp.async through L2 and later reads
+// back only those, so an O copy costs a pointer step and no index arithmetic (the first version spent 16 us of one
+// CTA on it and on per-state divisions: H200 timelines, perf-notes). The LSEs go to shared memory beside them in the
+// same trip. In one pass (the usual merge) each thread then folds its own pairs alone: the row's maximum m, the
+// weights 2^(lse - m), their sum l and the weighted O, with no barrier after the LSEs land. More states than one
+// pass holds (a skewed batch's longest request, where the planner allows several passes: decode_merges_in_kernel)
+// first run over the LSEs alone, a warp per row, for m and l, then pass by pass over weights (the same warps) and O.
+// States are summed in KV order whichever CTA merges (not in the merge kernel's order: deterministic plans never
+// merge here); the output and LSE are written as the merge kernel writes them (finish_row).
 template <class Tr>
 __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const WorkItem& it, uint8_t* smem, int row0,
                                                  int rows, int group, int kv_head,
@@ -249,16 +273,21 @@ __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const
         }
     }
   };
-  if (!one_pass) {  // the rows' m and l over every state first
-    for (int k0 = 0; k0 < states; k0 += pass) {
-      load_lses(k0, min(pass, states - k0));
-      __syncthreads();
-      row_pass(min(pass, states - k0), k0 == 0, false);
-      __syncthreads();
-    }
-  }
-  for (int k0 = 0; k0 < states; k0 += pass) {
-    const int n = min(pass, states - k0);
+  // Dims 4q .. 4q + 3 of merged row r (maximum m, weight sum l, weighted sum acc), and its LSE, as the merge kernel
+  // writes them (finish_row).
+  auto write_row_quad = [&](int r, int q, float m, float l, const float4& acc) {
+    const QueryRow qr = query_row(it, row0 + r, group, kv_head);
+    float lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
+    const float f = (l > 0.f ? 1.f / l : 0.f) * apply_sink(p.variant, qr.head, &lse);
+    const int64_t out = (qo_start + qr.tok) * p.o_stride_token + qr.head * p.o_stride_head + 4 * q;
+    store_element(p.o, p.o_dtype, out, acc.x * f);
+    store_element(p.o, p.o_dtype, out + 1, acc.y * f);
+    store_element(p.o, p.o_dtype, out + 2, acc.z * f);
+    store_element(p.o, p.o_dtype, out + 3, acc.w * f);
+    if (p.lse && q == 0) p.lse[(qo_start + qr.tok) * p.lse_stride_token + qr.head] = lse;
+  };
+  // Pass k0's O copies (each thread its own pairs' slices, by cp.async through L2) and LSEs, landed for this thread.
+  auto load_states = [&](int k0, int n) {
 #pragma unroll 1
     for (int j = 0; j < kPairs; ++j) {
       const int i = threadIdx.x + j * Tr::kThreads;
@@ -271,9 +300,52 @@ __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const
     cp_async_commit();
     load_lses(k0, n);
     cp_async_wait<0>();
+  };
+  if (one_pass) {
+    // Every state in one pass: a thread folds its own pairs alone, with no warp pass, no barrier after the one that
+    // publishes the LSEs and no accumulator round trip through shared memory (the warp-per-row weights and the
+    // separate sums took 1.2 us of the 1 x 32768 step's merge: H200 timelines, perf-notes v21; v29 for this form).
+    load_states(0, states);
     __syncthreads();  // the LSEs are in; every thread's own O copies have landed
     ATTNFORGE_TL(if (threadIdx.x == 0) tl_merge[1] = global_ns();)
-    row_pass(n, one_pass, true);
+#pragma unroll 1
+    for (int j = 0; j < kPairs; ++j) {
+      const int i = threadIdx.x + j * Tr::kThreads;
+      if (i >= row_floats / 4) continue;
+      const int r = i / kQuads, q = i % kQuads;
+      const float* lse_r = s_lse + r;
+      float m = -ATTNFORGE_INFINITY;
+      for (int k = 0; k < states; ++k) m = fmaxf(m, lse_r[k * rows]);
+      float l = 0.f;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (m != -ATTNFORGE_INFINITY) {
+        const float* o = s_o + 4 * i;
+#pragma unroll 8
+        for (int k = 0; k < states; ++k) {
+          const float lse = lse_r[k * rows];
+          const float w = lse == -ATTNFORGE_INFINITY ? 0.f : exp2f(lse - m);
+          const float4 x = *reinterpret_cast<const float4*>(o + k * row_floats);
+          l += w;
+          acc.x += w * x.x, acc.y += w * x.y, acc.z += w * x.z, acc.w += w * x.w;
+        }
+      }
+      write_row_quad(r, q, m, l, acc);
+    }
+    ATTNFORGE_TL(if (threadIdx.x == 0) tl_merge[2] = tl_merge[3] = tl_merge[4] = global_ns();)
+    return;
+  }
+  for (int k0 = 0; k0 < states; k0 += pass) {  // several passes: the rows' m and l over every state first
+    load_lses(k0, min(pass, states - k0));
+    __syncthreads();
+    row_pass(min(pass, states - k0), k0 == 0, false);
+    __syncthreads();
+  }
+  for (int k0 = 0; k0 < states; k0 += pass) {
+    const int n = min(pass, states - k0);
+    load_states(k0, n);
+    __syncthreads();  // the LSEs are in; every thread's own O copies have landed
+    ATTNFORGE_TL(if (threadIdx.x == 0) tl_merge[1] = global_ns();)
+    row_pass(n, false, true);
     __syncthreads();  // the weights are in
     ATTNFORGE_TL(if (threadIdx.x == 0) tl_merge[2] = global_ns();)
 #pragma unroll 1
@@ -299,17 +371,7 @@ __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const
     const int i = threadIdx.x + j * Tr::kThreads;
     if (i >= row_floats / 4) continue;
     const int r = i / kQuads, q = i % kQuads;
-    const QueryRow qr = query_row(it, row0 + r, group, kv_head);
-    const float m = s_m[r], l = s_l[r];
-    float lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
-    const float f = (l > 0.f ? 1.f / l : 0.f) * apply_sink(p.variant, qr.head, &lse);
-    const float4 acc = *reinterpret_cast<const float4*>(s_acc + 4 * i);
-    const int64_t out = (qo_start + qr.tok) * p.o_stride_token + qr.head * p.o_stride_head + 4 * q;
-    store_element(p.o, p.o_dtype, out, acc.x * f);
-    store_element(p.o, p.o_dtype, out + 1, acc.y * f);
-    store_element(p.o, p.o_dtype, out + 2, acc.z * f);
-    store_element(p.o, p.o_dtype, out + 3, acc.w * f);
-    if (p.lse && q == 0) p.lse[(qo_start + qr.tok) * p.lse_stride_token + qr.head] = lse;
+    write_row_quad(r, q, s_m[r], s_l[r], *reinterpret_cast<const float4*>(s_acc + 4 * i));
   }
   ATTNFORGE_TL(if (threadIdx.x == 0) tl_merge[4] = global_ns();)
 }
@@ -881,6 +943,10 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     ATTNFORGE_TL(tl_lap(2);)
     // The merge kernel may be scheduled once every CTA got here (it waits for this grid's end before reading).
     grid_launch_dependents();
+    // Merges in this kernel: this CTA arrives now (merge_arrive), and learns after its rows whether it merges.
+    const bool in_kernel_merge = !kCustom && p.merge_counters != nullptr && it.merge >= 0;
+    int32_t arrivals_before = 0;
+    if (in_kernel_merge && tid == 0) arrivals_before = merge_arrive(p, it, kv_head);
 
     // Merge the four warps' states. Row sums are per-thread partials until here.
     const DecodeMergeSmem<Tr> ms(sK);
@@ -925,9 +991,10 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
       finish_rows_variant<Tr, V>(p, va, it, ms, row0, rows, group, kv_head, qo_start, qo_len, kv_len);
     } else {
       finish_rows<Tr>(p, it, ms, row0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
-      // Merges in this kernel (AttentionParams::merge_counters): the last of a merge's CTAs combines its states.
+      // Merges in this kernel (AttentionParams::merge_counters): the last CTA to arrive combines the states once the
+      // others are written (merge_publish).
       ATTNFORGE_TL(tl_merge[5] = global_ns();)
-      if (p.merge_counters != nullptr && it.merge >= 0 && arrive_at_merge<Tr>(p, it, kv_head))
+      if (in_kernel_merge && merge_publish<Tr>(p, it, kv_head, arrivals_before))
         merge_split_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), row0, rows, group, kv_head,
                              qo_start ATTNFORGE_TL(, tl_merge));
       else if (!kFp8 && p.merge_flags != nullptr && it.merge >= 0)
