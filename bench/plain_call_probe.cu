@@ -8,7 +8,10 @@
 //     (loads into registers; cp.async into shared memory as the decode kernel copies, 48 or 80 KB in flight a CTA):
 //     plain, with the attribute, as a graph of one call, and a call's share of a graph of 16;
 //   - the same bytes in the decode step's own pattern (paged_copy_kernel: a CTA per KV head and 1024 tokens, 64-token
-//     tiles of K and V through page ids), NHD pages in order and shuffled, HND pages shuffled.
+//     tiles of K and V through page ids), NHD pages in order and shuffled, HND pages shuffled; and with each warp
+//     spinning 400-1600 ns after a tile's issue where the decode kernel computes the tile (does compute that fits
+//     between two tiles' arrivals still cost the stream, when tiles land in bursts?); and the same with a pipeline
+//     per warp (paged_copy_warp_kernel: no CTA barrier a tile).
 // Each row: the events' median, the kernel's median span (first CTA's start to the last CTA's end, by %globaltimer)
 // and their difference.
 // Build: nvcc -O2 -gencode=arch=compute_90a,code=sm_90a -o plain_call_probe bench/plain_call_probe.cu
@@ -39,7 +42,8 @@ struct Params {
   int trigger;                 // 0 none, 1 launch_dependents at the start, 2 at the end
   const int* page_ids;         // paged reads: the step's 2048 pages of 16 tokens, in the order read
   int hnd;                     // paged reads: pages laid out [head][token] (HND) rather than [token][head] (NHD)
-  long long pad[118];          // 1 KB of parameters, as AttentionParams
+  long long tile_work_ns;      // paged reads: each warp's stand-in for a tile's compute, after the next tile's issue
+  long long pad[117];          // 1 KB of parameters, as AttentionParams
 };
 
 __device__ __forceinline__ unsigned long long now_ns() {
@@ -53,6 +57,14 @@ __device__ __forceinline__ void stamp_start(const Params& p, unsigned long long 
 __device__ __forceinline__ void stamp_end(const Params& p) {
   __syncthreads();
   if (threadIdx.x == 0) atomicMax(p.stamps + 1, now_ns());
+}
+
+// A paged read's stand-in for the decode kernel's compute of a tile: each thread spins p.tile_work_ns.
+__device__ __forceinline__ void tile_work(const Params& p) {
+  if (p.tile_work_ns <= 0) return;
+  const unsigned long long w0 = now_ns();
+  while (now_ns() - w0 < static_cast<unsigned long long>(p.tile_work_ns)) {
+  }
 }
 
 __global__ void __launch_bounds__(128) spin_kernel(const Params p) {
@@ -165,6 +177,59 @@ __global__ void __launch_bounds__(128) paged_copy_kernel(const Params p) {
     } else {
       asm volatile("cp.async.commit_group;");
     }
+    tile_work(p);  // the decode kernel computes tile t here, with tiles t + 1 and t + 2 in flight
+  }
+  if (acc == 0x12345678u) p.sink[blockIdx.x] = 1.f;
+  stamp_end(p);
+}
+
+// paged_copy_kernel with each warp its own pipeline: warp w copies and reads rows 16 w .. 16 w + 15 of every tile
+// (one 16-token page of K and one of V), waits for its own copies and syncs only its lanes (__syncwarp), where
+// paged_copy_kernel (as the decode kernel) copies every tile with all 128 threads and waits at a CTA barrier: a warp's
+// late tile or long compute then holds only its own next issue, not the CTA's.
+__global__ void __launch_bounds__(128) paged_copy_warp_kernel(const Params p) {
+  extern __shared__ __align__(16) uint4 stage_smem[];
+  const unsigned long long t0 = now_ns();
+  stamp_start(p, t0);
+  constexpr int kStages = 3, kTiles = 16, kTileChunks = 2048, kWarpChunks = kTileChunks / 4;
+  const int head = blockIdx.x % 8, piece = blockIdx.x / 8;
+  const long long v_offset = 2048LL * 16 * 8 * 128 / 8;  // uint4s of K
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, dchunk = lane % 16;
+  const int* ids = p.page_ids + piece * 64 + warp;  // tile t's page for this warp: ids[4 t]
+  int page = ids[0];
+  auto issue = [&](int t, int pg) {
+    uint4* dst = stage_smem + (t % kStages) * kTileChunks + warp * kWarpChunks;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int tok = lane / 16 + 2 * k;  // the warp's 16 tokens, 2 a pass
+      const long long row = p.hnd ? (static_cast<long long>(pg) * 8 + head) * 16 + tok
+                                  : (static_cast<long long>(pg) * 16 + tok) * 8 + head;
+      const uint4* src = p.src + row * 16 + dchunk;
+      const uint32_t dk = static_cast<uint32_t>(__cvta_generic_to_shared(dst + tok * 16 + dchunk));
+      const uint32_t dv = static_cast<uint32_t>(__cvta_generic_to_shared(dst + 256 + tok * 16 + dchunk));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dk), "l"(src));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dv), "l"(src + v_offset));
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  for (int t = 0; t < kStages - 1; ++t) {
+    issue(t, page);
+    page = ids[4 * (t + 1)];
+  }
+  uint32_t acc = 0;
+  for (int t = 0; t < kTiles; ++t) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2));
+    __syncwarp();
+    acc ^= stage_smem[(t % kStages) * kTileChunks + warp * kWarpChunks + lane].x;
+    const int next = t + kStages - 1;
+    if (next < kTiles) {
+      issue(next, page);
+      if (next + 1 < kTiles) page = ids[4 * (next + 1)];
+    } else {
+      asm volatile("cp.async.commit_group;");
+    }
+    tile_work(p);
+    __syncwarp();  // every lane has read stage t % kStages before a lane's next issue overwrites it
   }
   if (acc == 0x12345678u) p.sink[blockIdx.x] = 1.f;
   stamp_end(p);
@@ -275,8 +340,10 @@ int main() {
     void (*kernel)(Params);
     int threads, smem;
     int paged = 0;  // 0: contiguous; 1 NHD in order, 2 NHD shuffled, 3 HND shuffled (paged_copy_kernel)
+    long long tile_work_ns = 0;  // paged: a stand-in for the decode kernel's compute of each tile (Params)
   };
   CHECK(cudaFuncSetAttribute(paged_copy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+  CHECK(cudaFuncSetAttribute(paged_copy_warp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
   CHECK(cudaFuncSetAttribute(copy_kernel<256, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
   CHECK(cudaFuncSetAttribute(copy_kernel<256, 6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
   const ReadShape shapes[] = {{"read 134 MB, 128 x 8 loads", read_kernel<128, 8>, 128, 0},
@@ -285,13 +352,25 @@ int main() {
                               {"read 134 MB, cp.async 5 x 16 KB in flight", copy_kernel<256, 6>, 256, 96 * 1024},
                               {"paged NHD in order, 2 x 32 KB in flight", paged_copy_kernel, 128, 96 * 1024, 1},
                               {"paged NHD shuffled, 2 x 32 KB in flight", paged_copy_kernel, 128, 96 * 1024, 2},
-                              {"paged HND shuffled, 2 x 32 KB in flight", paged_copy_kernel, 128, 96 * 1024, 3}};
+                              {"paged HND shuffled, 2 x 32 KB in flight", paged_copy_kernel, 128, 96 * 1024, 3},
+                              // Does a tile's compute cost the stream? The decode step's tiles land about 1.9 us
+                              // apart a CTA; a spin of each warp after the next tile's issue stands in for its work.
+                              {"paged NHD shuffled, + 400 ns a tile", paged_copy_kernel, 128, 96 * 1024, 2, 400},
+                              {"paged NHD shuffled, + 800 ns a tile", paged_copy_kernel, 128, 96 * 1024, 2, 800},
+                              {"paged NHD shuffled, + 1200 ns a tile", paged_copy_kernel, 128, 96 * 1024, 2, 1200},
+                              {"paged NHD shuffled, + 1600 ns a tile", paged_copy_kernel, 128, 96 * 1024, 2, 1600},
+                              {"paged NHD shuffled, warp pipelines", paged_copy_warp_kernel, 128, 96 * 1024, 2},
+                              {"paged NHD shuffled, warp pipelines, + 800 ns", paged_copy_warp_kernel, 128, 96 * 1024,
+                               2, 800},
+                              {"paged NHD shuffled, warp pipelines, + 1600 ns", paged_copy_warp_kernel, 128,
+                               96 * 1024, 2, 1600}};
   auto read = [&](const ReadShape& r, bool pdl) {
     return [=, &launch, &bufs](int i) {
       Params p = base;
       p.src = bufs[i % kBuffers];
       p.page_ids = r.paged == 1 ? in_order[i % kBuffers] : shuffled[i % kBuffers];
       p.hnd = r.paged == 3;
+      p.tile_work_ns = r.tile_work_ns;
       launch(r.kernel, p, pdl, read_grid, r.smem, r.threads);
     };
   };
