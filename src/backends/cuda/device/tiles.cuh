@@ -440,4 +440,70 @@ struct KVTileLoader {
   }
 };
 
+// KVTileLoader's register-held form with warp-owned rows (the decode kernel): warp w copies exactly the rows it
+// reads, 16 w .. 16 w + 15 of each tile (kTileTokens = 16 x warps), so it can wait for its own copies and sync its
+// lanes alone instead of the CTA. A warp's lanes cover kLanesPerRow 16-byte chunks of kRowsPerPass rows per copy
+// instruction (8 lanes: 128 contiguous bytes of a row); a thread copies kRows rows of kRowChunks chunks each, and
+// finds a row's page, slot and address once for all its chunks (KVTileLoader's thread: 8 rows of one chunk at
+// head_dim 128, each found apart).
+template <int D, int kTileTokens, int kThreads, int kElemBytes = 2>
+struct WarpKVTileLoader : KVTileLoader<D, kTileTokens, kThreads, 0, kElemBytes> {
+  using Base = KVTileLoader<D, kTileTokens, kThreads, 0, kElemBytes>;
+  using Base::first, Base::last, Base::kv, Base::kv_head, Base::page_of, Base::slot_of;
+  static constexpr int kRowBytes = Base::kRowBytes, kChunks = Base::kChunks;
+  static constexpr int kLanesPerRow = kChunks < 8 ? kChunks : 8;
+  static constexpr int kRowsPerPass = 32 / kLanesPerRow;
+  static constexpr int kWarpRows = kTileTokens / (kThreads / 32);
+  static constexpr int kRows = kWarpRows / kRowsPerPass;
+  static constexpr int kRowChunks = kChunks / kLanesPerRow;
+  static_assert(kThreads % 32 == 0 && kWarpRows == 16 && kRows * kRowsPerPass == kWarpRows &&
+                    kRowChunks * kLanesPerRow == kChunks,
+                "a warp's 16 rows, every chunk of each");
+  int32_t warp_pages[kRows];  // page ids (ragged: packed rows) of this thread's rows of the tile copied next
+
+  __device__ __forceinline__ WarpKVTileLoader(const KVParams& kv_, int64_t page_list_, int kv_head_, int first_,
+                                              int last_)
+      : Base(kv_, page_list_, kv_head_, first_, last_) {}
+  __device__ __forceinline__ int row(int i) const {
+    return static_cast<int>(threadIdx.x / 32) * kWarpRows + static_cast<int>(threadIdx.x % 32) / kLanesPerRow +
+           i * kRowsPerPass;
+  }
+  __device__ __forceinline__ void fetch_pages(int t) {
+    #pragma unroll
+    for (int i = 0; i < kRows; ++i) warp_pages[i] = page_of(min(first + t * kTileTokens + row(i), last - 1));
+  }
+  // Copies this warp's rows of tile t of K and V into sK / sV from the pages fetched for it; rows past `last` are
+  // zero-filled from a valid address. A row's address is two unsigned 32 x 32 -> 64-bit multiply-adds on byte strides
+  // (as KVTileLoader::load), its chunks that address plus immediates.
+  __device__ __forceinline__ void load(int t, void* sK, void* sV) const {
+    // The bases and strides as KVTileLoader::load finds them, written out apart: one helper for both moved the
+    // default decode kernels' registers (sass-diff).
+    const int c0 = static_cast<int>(threadIdx.x % kLanesPerRow);
+    const uint8_t* k_base = static_cast<const uint8_t*>(kv.k) + kv_head * kv.k_stride_head * kElemBytes + c0 * 16;
+    const uint8_t* v_base = static_cast<const uint8_t*>(kv.v) + kv_head * kv.v_stride_head * kElemBytes + c0 * 16;
+    const uint32_t k_page_bytes = static_cast<uint32_t>(kv.k_stride_page * kElemBytes);
+    const uint32_t k_token_bytes = static_cast<uint32_t>(kv.k_stride_token * kElemBytes);
+    const uint32_t v_page_bytes = static_cast<uint32_t>(kv.v_stride_page * kElemBytes);
+    const uint32_t v_token_bytes = static_cast<uint32_t>(kv.v_stride_token * kElemBytes);
+    const bool whole = first + (t + 1) * kTileTokens <= last;  // no row past `last`
+    #pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = row(i);
+      const int token = first + t * kTileTokens + r;
+      const bool valid = whole || token < last;
+      const uint64_t slot = static_cast<uint32_t>(slot_of(token)), page = static_cast<uint32_t>(warp_pages[i]);
+      const uint8_t* ksrc = static_cast<const uint8_t*>(kv.k);  // an invalid row copies nothing from a valid address
+      const uint8_t* vsrc = static_cast<const uint8_t*>(kv.v);
+      if (valid) ksrc = k_base + (page * k_page_bytes + slot * k_token_bytes);
+      if (valid) vsrc = v_base + (page * v_page_bytes + slot * v_token_bytes);
+      #pragma unroll
+      for (int j = 0; j < kRowChunks; ++j) {
+        const int dst = swizzle_bytes<kRowBytes>(r, c0 + j * kLanesPerRow);
+        cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc + j * kLanesPerRow * 16, valid ? 16 : 0);
+        cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc + j * kLanesPerRow * 16, valid ? 16 : 0);
+      }
+    }
+  }
+};
+
 }  // namespace attnforge::cuda
