@@ -160,12 +160,11 @@ TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
   for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
 }
 
-// The decode kernel's A/B build option (ATTNFORGE_DECODE_WARP_PIPES: a pipeline per warp, off by default, perf-notes
-// v30) keeps compiling, without spills, where the default build never instantiates it: 16-bit and fp8 K/V at head_dim
-// 64, 128 (the small-batch pipeline's three stages) and 256, for sm_80 and sm_90a, with the option defined ahead of
-// the kernel's source.
-TEST(JitCompile, DecodeWarpPipesOptionForSm80AndSm90a) {
-  std::vector<std::string> failures;
+// The decode kernel's A/B build options keep compiling, without spills, where the default build never instantiates
+// them, and each changes the code (a d128 sm_90a cubin differs from the default's, so a test of an option that
+// stopped taking effect fails): `define` ahead of the rendered source of 16-bit and fp8 K/V kernels at head_dim 64,
+// 128 (the small-batch pipeline's three stages) and 256, for sm_80 and sm_90a.
+void expect_decode_option_compiles(const std::string& define) {
   for (const char* arch : {"sm_80", "sm_90a"})
     for (int32_t d : {64, 128, 256})
       for (DType kv : {DType::kBFloat16, DType::kFloat8E4M3}) {
@@ -174,16 +173,26 @@ TEST(JitCompile, DecodeWarpPipesOptionForSm80AndSm90a) {
                                                                    : decode_key(shape, arch);
         KernelSource src = key.render();
         const std::string plain_source = src.source;
-        src.source = "#define ATTNFORGE_DECODE_WARP_PIPES 1\n" + plain_source;
-        src.name += "_warp_pipes";
+        src.source = "#define " + define + "\n" + plain_source;
+        src.name += " with " + define;
         const CompiledModule m = compile(src);
         EXPECT_FALSE(m.lowered_names.empty() || m.lowered_names[kAttentionEntry].empty()) << src.name;
         EXPECT_EQ(m.log.find("spill"), std::string::npos) << src.name << ": " << m.log;
-        if (d == 128 && kv == DType::kBFloat16 && std::string(arch) == "sm_90a") {  // the option changes the code
+        if (d == 128 && kv == DType::kBFloat16 && std::string(arch) == "sm_90a") {
           src.source = plain_source;
           EXPECT_NE(compile(src).binary, m.binary) << src.name << ": the same cubin with and without the option";
         }
       }
+}
+
+// A pipeline per warp (perf-notes v30).
+TEST(JitCompile, DecodeWarpPipesOptionForSm80AndSm90a) {
+  expect_decode_option_compiles("ATTNFORGE_DECODE_WARP_PIPES 1");
+}
+
+// The kernel merge's count before session 34 (perf-notes v29).
+TEST(JitCompile, DecodeMergeCountAfterTheRowsOptionForSm80AndSm90a) {
+  expect_decode_option_compiles("ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY 0");
 }
 
 // The wgmma probe kernels (tests/wgmma_probe.h) compile for sm_90a, and their SASS is the warpgroup product the

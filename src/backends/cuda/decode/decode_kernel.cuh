@@ -206,6 +206,30 @@ __device__ __forceinline__ bool merge_publish(const AttentionParams& p, const Wo
   return s_last != 0;
 }
 
+// The count before session 34, for A/B builds (-DATTNFORGE_DECODE_MERGE_ARRIVE_EARLY=0; on by default): each CTA
+// counts its state once its rows are written, by an acq_rel atomic after the barrier (the barrier orders every
+// thread's writes before it: cumulativity), and the CTA that counts last merges, after its own writes' fence and the
+// atomic's trip; it puts the word back to zero. The fold (merge_split_rows) is the same in either build.
+#ifndef ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY
+#define ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY 1
+#endif
+constexpr bool kMergeArriveEarly = ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY != 0;
+template <class Tr>
+__device__ __forceinline__ bool merge_count_written(const AttentionParams& p, const WorkItem& it, int kv_head) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* counter = merge_counter(p, it, kv_head);
+    int32_t before;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
+    const bool last = before == it.merge_states - 1;
+    if (last) *counter = 0;
+    s_last = last;
+  }
+  __syncthreads();
+  return s_last != 0;
+}
+
 // Streamed merges (AttentionParams::merge_flags): releases this CTA's flag once every thread's partial rows are
 // written (the barrier orders them before thread 0's release), for the merge kernel that runs beside this grid.
 __device__ __forceinline__ void publish_state(const AttentionParams& p, int item_index, int kv_head) {
@@ -974,7 +998,7 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     // Merges in this kernel: this CTA arrives now (merge_arrive), and learns after its rows whether it merges.
     const bool in_kernel_merge = !kCustom && p.merge_counters != nullptr && it.merge >= 0;
     int32_t arrivals_before = 0;
-    if (in_kernel_merge && tid == 0) arrivals_before = merge_arrive(p, it, kv_head);
+    if (kMergeArriveEarly && in_kernel_merge && tid == 0) arrivals_before = merge_arrive(p, it, kv_head);
 
     // Merge the four warps' states. Row sums are per-thread partials until here.
     const DecodeMergeSmem<Tr> ms(sK);
@@ -1022,7 +1046,8 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
       // Merges in this kernel (AttentionParams::merge_counters): the last CTA to arrive combines the states once the
       // others are written (merge_publish).
       ATTNFORGE_TL(tl_merge[5] = global_ns();)
-      if (in_kernel_merge && merge_publish<Tr>(p, it, kv_head, arrivals_before))
+      if (in_kernel_merge && (kMergeArriveEarly ? merge_publish<Tr>(p, it, kv_head, arrivals_before)
+                                                : merge_count_written<Tr>(p, it, kv_head)))
         merge_split_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), row0, rows, group, kv_head,
                              qo_start ATTNFORGE_TL(, tl_merge));
       else if (!kFp8 && p.merge_flags != nullptr && it.merge >= 0)
