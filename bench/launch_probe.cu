@@ -3,6 +3,9 @@
 // time around one call after a sync (what a plain-median bench figure pays beyond the kernels). "after sync": the
 // host time of a call made right after cudaEventRecord following a sync, as the bench's plain loop times run();
 // "100 KB smem": the launch asks for 100 KB of dynamic shared memory (the decode kernels' 3-stage head_dim 128 form).
+// "graph of one": the same launch as a one-node graph instantiated once and launched with cudaGraphLaunch, its
+// parameters unchanged or set anew before each launch (cudaGraphExecKernelNodeSetParams, as an eager run() that
+// launched through a cached graph would have to: every layer's call has its own tensors).
 // Build: nvcc -O2 -arch=sm_90a -o launch_probe bench/launch_probe.cu (on any machine with nvcc; run it on the GPU machine).
 #include <cuda_runtime.h>
 #include <algorithm>
@@ -66,6 +69,22 @@ int main() {
     cudaLaunchKernelEx(&c, k_smem, b);
   };
   k_small<<<1, 32>>>(s); k_big<<<1, 32>>>(b); ex_smem(false, 1); cudaDeviceSynchronize();
+  // A one-node graph of ex_smem(false, 256), launched on the legacy stream as the rows above.
+  void* node_args[] = {&b};
+  cudaKernelNodeParams np{};
+  np.func = reinterpret_cast<void*>(k_smem); np.gridDim = dim3(256); np.blockDim = dim3(128);
+  np.sharedMemBytes = kSmem; np.kernelParams = node_args;
+  cudaGraph_t graph; cudaGraphNode_t node; cudaGraphExec_t exec;
+  cudaGraphCreate(&graph, 0);
+  cudaGraphAddKernelNode(&node, graph, nullptr, 0, &np);
+  cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphLaunch(exec, 0); cudaDeviceSynchronize();
+  long long call = 0;
+  auto graph_set = [&] {
+    b.a[1] = ++call;  // new arguments each call, as a layer's tensors
+    cudaGraphExecKernelNodeSetParams(exec, node, &np);
+    cudaGraphLaunch(exec, 0);
+  };
   struct Row { const char* name; double host, after_sync, events; };
   std::vector<Row> rows;
   auto add = [&](const char* n, auto f) { rows.push_back({n, median_host(f, false), median_host(f, true, 500), median_events(f)}); };
@@ -75,6 +94,8 @@ int main() {
   add("cudaLaunchKernelEx 1 KB + PDL attribute", [&] { ex_big(true); });
   add("cudaLaunchKernelEx 1 KB, 100 KB smem, 256 CTAs, PDL", [&] { ex_smem(true, 256); });
   add("cudaLaunchKernelEx 1 KB, 100 KB smem, 256 CTAs", [&] { ex_smem(false, 256); });
+  add("graph of one: cudaGraphLaunch (as the row above)", [&] { cudaGraphLaunch(exec, 0); });
+  add("graph of one: node params set, then cudaGraphLaunch", graph_set);
   add("two launches, 1 KB, the second PDL (decode + merge)", [&] { ex_big(false); ex_big(true); });
   add("two launches, 16 B", [&] { k_small<<<128, 128>>>(s); k_small<<<128, 128>>>(s); });
   add("cudaGetDevice x5 + cudaGetLastError", [&] { int d; for (int i = 0; i < 5; ++i) cudaGetDevice(&d); cudaGetLastError(); });
