@@ -185,11 +185,6 @@ void expect_decode_option_compiles(const std::string& define) {
       }
 }
 
-// A pipeline per warp (perf-notes v30).
-TEST(JitCompile, DecodeWarpPipesOptionForSm80AndSm90a) {
-  expect_decode_option_compiles("ATTNFORGE_DECODE_WARP_PIPES 1");
-}
-
 // The kernel merge's count before session 34 (perf-notes v29).
 TEST(JitCompile, DecodeMergeCountAfterTheRowsOptionForSm80AndSm90a) {
   expect_decode_option_compiles("ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY 0");

@@ -724,12 +724,12 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     // own lanes: a warp's late tile or long compute holds back only its own next copies, not the CTA's. RoPE and a
     // custom key transform rewrite whole tiles with every thread: a CTA barrier a tile then.
     bool cta_tiles = !kDecodeWarpPipes || rope;
-    if constexpr (kDecodeWarpPipes && kCustom && !kFp8) cta_tiles = OverriddenHooks<V>::kKey;  // never with RoPE
+    if constexpr (kDecodeWarpPipes && kCustom && !kFp8) cta_tiles = OverriddenHooks<V>::kKey;
     for (int t = 0; t < num_tiles; ++t) {
       cp_async_wait<Tr::kStages - 2>();
       // Tile t has landed for every thread (of this warp), and every warp (this warp) is done with tile t - 1, whose
       // stage the copies below overwrite.
-      if (t == 0 || cta_tiles)
+      if (!kDecodeWarpPipes || t == 0 || cta_tiles)
         __syncthreads();
       else
         __syncwarp();

@@ -485,11 +485,12 @@ struct WarpKVTileLoader : KVTileLoader<D, kTileTokens, kThreads, 0, kElemBytes> 
     const uint32_t k_token_bytes = static_cast<uint32_t>(kv.k_stride_token * kElemBytes);
     const uint32_t v_page_bytes = static_cast<uint32_t>(kv.v_stride_page * kElemBytes);
     const uint32_t v_token_bytes = static_cast<uint32_t>(kv.v_stride_token * kElemBytes);
+    const bool whole = first + (t + 1) * kTileTokens <= last;  // no row past `last`
     #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int r = row(i);
       const int token = first + t * kTileTokens + r;
-      const bool valid = token < last;
+      const bool valid = whole || token < last;
       const uint64_t slot = static_cast<uint32_t>(slot_of(token)), page = static_cast<uint32_t>(warp_pages[i]);
       const uint8_t* ksrc = static_cast<const uint8_t*>(kv.k);  // an invalid row copies nothing from a valid address
       const uint8_t* vsrc = static_cast<const uint8_t*>(kv.v);
