@@ -34,22 +34,6 @@
 
 namespace attnforge::cuda {
 
-// A pipeline per warp (perf-notes v30; an A/B build option, off by default): each warp copies exactly the K/V rows
-// it reads (WarpKVTileLoader) and, after tile 0, waits for its own copies and syncs its own lanes instead of the
-// CTA. Build with -DATTNFORGE_DECODE_WARP_PIPES=1 (scripts/device-check: DEVICE_CUDA_FLAGS) to measure it.
-#ifndef ATTNFORGE_DECODE_WARP_PIPES
-#define ATTNFORGE_DECODE_WARP_PIPES 0
-#endif
-constexpr bool kDecodeWarpPipes = ATTNFORGE_DECODE_WARP_PIPES != 0;
-template <bool kWarpPipes, int D, int kTileTokens, int kThreads, int kElemBytes>
-struct DecodeLoaderOf {
-  using type = KVTileLoader<D, kTileTokens, kThreads, 0, kElemBytes>;
-};
-template <int D, int kTileTokens, int kThreads, int kElemBytes>
-struct DecodeLoaderOf<true, D, kTileTokens, kThreads, kElemBytes> {
-  using type = WarpKVTileLoader<D, kTileTokens, kThreads, kElemBytes>;
-};
-
 // The tensor cores' operand type: Q's, or fp16 for fp8 K/V whatever Q's type.
 template <bool kFp8, typename Elem>
 struct DecodeMmaElem {
@@ -528,8 +512,7 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     WorkItem it{};
     if (item_index < p.item_capacity) it = p.items[item_index];
     if (item_index >= num_items) break;
-    using Loader = typename DecodeLoaderOf<kDecodeWarpPipes, D, Tr::kTileTokens, Tr::kThreads,
-                                           KVStorage<typename Tr::KV>::kBytes>::type;
+    using Loader = KVTileLoader<D, Tr::kTileTokens, Tr::kThreads, 0, KVStorage<typename Tr::KV>::kBytes>;
     ItemRows m;
     if (!item_rows<Tr::kRows>(it, group, row0, m)) continue;
     if constexpr (kRowPass != 0) {
@@ -719,20 +702,9 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
         });
       }
     }
-    // kDecodeWarpPipes: a warp copies exactly the K/V rows it reads (WarpKVTileLoader: its 16 tokens of every tile),
-    // so after tile 0, whose barrier also publishes Q and the rows' fields, it waits for its own copies and syncs its
-    // own lanes: a warp's late tile or long compute holds back only its own next copies, not the CTA's. RoPE and a
-    // custom key transform rewrite whole tiles with every thread: a CTA barrier a tile then.
-    bool cta_tiles = !kDecodeWarpPipes || rope;
-    if constexpr (kDecodeWarpPipes && kCustom && !kFp8) cta_tiles = OverriddenHooks<V>::kKey;
     for (int t = 0; t < num_tiles; ++t) {
       cp_async_wait<Tr::kStages - 2>();
-      // Tile t has landed for every thread (of this warp), and every warp (this warp) is done with tile t - 1, whose
-      // stage the copies below overwrite.
-      if (!kDecodeWarpPipes || t == 0 || cta_tiles)
-        __syncthreads();
-      else
-        __syncwarp();
+      __syncthreads();  // tile t has landed for every thread, and every warp is done with tile t - 1
       ATTNFORGE_TL(if (t == 0) {
         tl_lap(1);
         if (tl_first == 0) tl_first = global_ns();
