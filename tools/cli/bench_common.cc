@@ -85,8 +85,10 @@ bool case_selected(const std::string& name, const std::string& filter) {
   if (filter.empty()) return true;
   for (size_t begin = 0;;) {
     const size_t end = filter.find('|', begin);
-    const std::string text = filter.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
-    if (!text.empty() && name.find(text) != std::string::npos) return true;
+    std::string text = filter.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    const bool at_end = !text.empty() && text.back() == '$';
+    if (at_end) text.pop_back();
+    if (!text.empty() && (at_end ? name.ends_with(text) : name.find(text) != std::string::npos)) return true;
     if (end == std::string::npos) return false;
     begin = end + 1;
   }

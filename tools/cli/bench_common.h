@@ -28,7 +28,8 @@ double kv_bytes_read(const testing::CaseSpec& s);
 double attention_flops(const testing::CaseSpec& s);
 std::vector<int64_t> sampled_rows(int64_t total);
 // Whether a bench case is selected by --case: its name contains the filter, or one of the filter's '|'-separated
-// texts (an empty filter selects every case).
+// texts; a text ending in '$' must end the name ("decode 1x32768$" leaves out "decode 1x32768 hnd"). An empty filter
+// selects every case.
 bool case_selected(const std::string& name, const std::string& filter);
 
 // The GPU benchmark (bench_cuda.cc, built with CUDA).

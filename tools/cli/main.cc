@@ -31,7 +31,8 @@ int main(int argc, char** argv) {
                         "and split over 2, 4, 8 GPUs by context parallelism; not in all)")
       ->check(CLI::IsMember({"all", "decode", "prefill", "long"}));
   bench_cmd->add_option("--case", bench.case_filter,
-                        "Only the cases whose name contains this text (or one of several separated by |)");
+                        "Only the cases whose name contains this text (or one of several separated by |); a text "
+                        "ending in $ must end the name");
   bench_cmd->add_option("--gpus", bench.gpus, "--suite long: the most GPUs to split over (default: every visible GPU, "
                                              "at most 8)")
       ->check(CLI::Range(1, 8));
