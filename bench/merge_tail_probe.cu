@@ -2,7 +2,7 @@
 // memory (thread block clusters, sm_90) would add instead. Each kernel streams the step's 134 MB of K/V as the decode
 // kernel does (256 CTAs of 128 threads, two an SM, 32 KB tiles through cp.async with two in flight, nothing computed:
 // the bytes set the CTAs' end spread), then ends its CTA's state (4 query rows x 128 dims of fp32 O and 4 LSEs: one
-// GQA group of one KV head, a thread one row's four dims) in one of four ways:
+// GQA group of one KV head, a thread one row's four dims) in one of these ways:
 //   none     the state is written to global memory (the partial buffers), nothing merged: the floor;
 //   global   as the decode kernel merges (decode_kernel.cuh, merge_publish and merge_split_rows' one-pass form): a
 //            relaxed arrival as the stream ends, the partial rows written and counted by red.release, and the CTA
@@ -13,7 +13,9 @@
 //            memory and writes that slice of the cluster's state; a counter per (KV head, slice) picks the last of
 //            the head's 4 clusters, whose rank-r CTA folds the 4 slices (loaded as above) and writes them;
 //   cluster16 the same with 16-CTA clusters (a non-portable size; skipped where the device refuses it): 2
-//            clusters a KV head.
+//            clusters a KV head; cluster4 and cluster2 the same with 4- and 2-CTA clusters (8 and 16 clusters a KV
+//            head: on a 132-SM Hopper only 240 CTAs in clusters of 8 and 224 in clusters of 16 are resident at once,
+//            a second wave for the step's 256, perf-notes v31; smaller clusters pack the SMs' slots more fully).
 // Each row: the events' median around one plain call, the kernel's median span (first CTA's start to the last
 // CTA's end, %globaltimer), and a call's share of a graph of 16 calls; every variant's output is checked against a
 // host fold of the same states first.
@@ -198,7 +200,7 @@ __global__ void __launch_bounds__(kThreads) tail_global(const Params p) {
   stamp_end(p);
 }
 
-// cluster8 / cluster16: kC CTAs a cluster (consecutive splits of one KV head), kSplits / kC clusters a head.
+// cluster2 / cluster4 / cluster8 / cluster16: kC CTAs a cluster (consecutive splits of one KV head), kSplits / kC clusters a head.
 template <int kC>
 __global__ void __launch_bounds__(kThreads) tail_cluster(const Params p) {
   constexpr int kClusters = kSplits / kC, kSlice = kThreads / kC;  // clusters a head; (row, quad) pairs a rank folds
@@ -302,6 +304,8 @@ int main() {
   };
   const Variant variants[] = {{"none (states written, no merge)", tail_none, 0, false},
                               {"global (the decode kernel's merge)", tail_global, 0, true},
+                              {"cluster2 (DSMEM, then 16 states)", tail_cluster<2>, 2, true},
+                              {"cluster4 (DSMEM, then 8 states)", tail_cluster<4>, 4, true},
                               {"cluster8 (DSMEM, then 4 states)", tail_cluster<8>, 8, true},
                               {"cluster16 (DSMEM, then 2 states)", tail_cluster<16>, 16, true}};
   for (const Variant& v : variants) {
