@@ -30,16 +30,9 @@
 #include <cstdlib>
 #include <vector>
 
-namespace cg = cooperative_groups;
+#include "probe_common.cuh"
 
-#define CHECK(x)                                                                       \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::printf("%s failed: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
+namespace cg = cooperative_groups;
 
 constexpr int kHeads = 8, kSplits = 32, kCtas = kHeads * kSplits, kThreads = 128;
 constexpr int kRows = 4, kDim = 128, kQuads = kDim / 4;  // a CTA's state: kRows x kQuads float4 = one a thread
@@ -55,12 +48,6 @@ struct Params {
   float4* out;                 // [kHeads][kRows * kQuads], normalized
   unsigned seed;               // varies the states by call
 };
-
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 // The CTA's 512 KB of K/V through three 32 KB cp.async stages; returns a word of what landed.
 __device__ uint32_t stream_tiles(const Params& p) {
@@ -127,30 +114,22 @@ __device__ __forceinline__ void fold(Lse&& lse_of, O&& o_of, float4* out_o, floa
   *out_o = make_float4(acc.x / l, acc.y / l, acc.z / l, acc.w / l);
 }
 
-__device__ __forceinline__ void stamp_start(const Params& p, unsigned long long t) {
-  if (threadIdx.x == 0) atomicMin(p.stamps, t);
-}
-__device__ __forceinline__ void stamp_end(const Params& p) {
-  __syncthreads();
-  if (threadIdx.x == 0) atomicMax(p.stamps + 1, now_ns());
-}
-
 // none: each CTA writes its state; nothing merged.
 __global__ void __launch_bounds__(kThreads) tail_none(const Params p) {
-  stamp_start(p, now_ns());
+  stamp_start(p.stamps, now_ns());
   const uint32_t acc = stream_tiles(p);
   float4 o;
   float lse;
   make_state(p, blockIdx.x % kSplits, acc, &o, &lse);
   p.partial_o[blockIdx.x * kThreads + threadIdx.x] = o;
   if (threadIdx.x % kQuads == 0) p.partial_lse[blockIdx.x * kRows + threadIdx.x / kQuads] = lse;
-  stamp_end(p);
+  stamp_end(p.stamps);
 }
 
 // global: the decode kernel's in-kernel merge (arrivals in the low 16 bits, written states in the high 16).
 __global__ void __launch_bounds__(kThreads) tail_global(const Params p) {
   __shared__ int s_last;
-  stamp_start(p, now_ns());
+  stamp_start(p.stamps, now_ns());
   const int head = blockIdx.x / kSplits, split = blockIdx.x % kSplits;
   const uint32_t acc = stream_tiles(p);
   int* counter = p.counters + head;
@@ -187,7 +166,8 @@ __global__ void __launch_bounds__(kThreads) tail_global(const Params p) {
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src + k * kThreads));
     }
     asm volatile("cp.async.commit_group;");
-    for (int i = threadIdx.x; i < kSplits * kRows; i += kThreads) s_lse[i] = __ldcg(p.partial_lse + head * kSplits * kRows + i);
+    for (int i = threadIdx.x; i < kSplits * kRows; i += kThreads)
+      s_lse[i] = __ldcg(p.partial_lse + head * kSplits * kRows + i);
     asm volatile("cp.async.wait_group 0;");
     __syncthreads();
     const int r = threadIdx.x / kQuads;
@@ -197,17 +177,18 @@ __global__ void __launch_bounds__(kThreads) tail_global(const Params p) {
                   &out, &out_lse);
     p.out[head * kThreads + threadIdx.x] = out;
   }
-  stamp_end(p);
+  stamp_end(p.stamps);
 }
 
-// cluster2 / cluster4 / cluster8 / cluster16: kC CTAs a cluster (consecutive splits of one KV head), kSplits / kC clusters a head.
+// cluster2 / cluster4 / cluster8 / cluster16: kC CTAs a cluster (consecutive splits of one KV head), kSplits / kC
+// clusters a head.
 template <int kC>
 __global__ void __launch_bounds__(kThreads) tail_cluster(const Params p) {
   constexpr int kClusters = kSplits / kC, kSlice = kThreads / kC;  // clusters a head; (row, quad) pairs a rank folds
   __shared__ float4 s_state_o[kThreads];
   __shared__ float s_state_lse[kThreads];
   __shared__ int s_last;
-  stamp_start(p, now_ns());
+  stamp_start(p.stamps, now_ns());
   cg::cluster_group cluster = cg::this_cluster();
   const int head = blockIdx.x / kSplits, split = blockIdx.x % kSplits, rank = static_cast<int>(cluster.block_rank());
   const int c = split / kC;  // this cluster among the head's
@@ -247,7 +228,7 @@ __global__ void __launch_bounds__(kThreads) tail_cluster(const Params p) {
                     [&](int k) { return __ldcg(slice_o + k * kThreads + pair); }, &out, &out_lse);
     p.out[head * kThreads + pair] = out;
   }
-  stamp_end(p);
+  stamp_end(p.stamps);
 }
 
 // The host's fold of a head's 32 states for `seed` (make_state), in split order, as the kernels' arithmetic.

@@ -24,14 +24,7 @@
 #include <string>
 #include <vector>
 
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      std::printf("%s failed: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__);    \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
+#include "probe_common.cuh"
 
 struct Params {
   unsigned long long* stamps;  // [0] min start, [1] max end (global ns)
@@ -46,19 +39,6 @@ struct Params {
   long long pad[117];          // 1 KB of parameters, as AttentionParams
 };
 
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ void stamp_start(const Params& p, unsigned long long t) {
-  if (threadIdx.x == 0) atomicMin(p.stamps, t);
-}
-__device__ __forceinline__ void stamp_end(const Params& p) {
-  __syncthreads();
-  if (threadIdx.x == 0) atomicMax(p.stamps + 1, now_ns());
-}
-
 // A paged read's stand-in for the decode kernel's compute of a tile: each thread spins p.tile_work_ns.
 __device__ __forceinline__ void tile_work(const Params& p) {
   if (p.tile_work_ns <= 0) return;
@@ -69,19 +49,19 @@ __device__ __forceinline__ void tile_work(const Params& p) {
 
 __global__ void __launch_bounds__(128) spin_kernel(const Params p) {
   const unsigned long long t0 = now_ns();
-  stamp_start(p, t0);
+  stamp_start(p.stamps, t0);
   if (p.trigger == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   while (now_ns() - t0 < static_cast<unsigned long long>(p.spin_ns)) {
   }
   if (p.trigger == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  stamp_end(p);
+  stamp_end(p.stamps);
 }
 
 // Each CTA streams its contiguous chunk, kUnroll 16-byte loads a thread in flight.
 template <int kThreads, int kUnroll>
 __global__ void __launch_bounds__(kThreads) read_kernel(const Params p) {
   const unsigned long long t0 = now_ns();
-  stamp_start(p, t0);
+  stamp_start(p.stamps, t0);
   const uint4* base = p.src + blockIdx.x * p.chunk;
   uint32_t acc = 0;
   for (long long i = threadIdx.x; i < p.chunk; i += kThreads * kUnroll) {  // chunk: a multiple of kThreads x kUnroll
@@ -93,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) read_kernel(const Params p) {
   }
   if (p.trigger == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (acc == 0x12345678u) p.sink[blockIdx.x] = 1.f;
-  stamp_end(p);
+  stamp_end(p.stamps);
 }
 
 // The same bytes through shared memory as the decode kernel streams them: cp.async 16-byte copies, kStages stages of
@@ -103,7 +83,7 @@ template <int kThreads, int kStages>
 __global__ void __launch_bounds__(kThreads) copy_kernel(const Params p) {
   extern __shared__ __align__(16) uint4 stage_smem[];
   const unsigned long long t0 = now_ns();
-  stamp_start(p, t0);
+  stamp_start(p.stamps, t0);
   constexpr int kPer = 4, kStage = kThreads * kPer;  // uint4s a stage
   const uint4* base = p.src + blockIdx.x * p.chunk;
   const int stages = static_cast<int>(p.chunk / kStage);  // chunk: a multiple of kStage
@@ -127,7 +107,7 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(const Params p) {
     else asm volatile("cp.async.commit_group;");
   }
   if (acc == 0x12345678u) p.sink[blockIdx.x] = 1.f;
-  stamp_end(p);
+  stamp_end(p.stamps);
 }
 
 // The decode step's own access pattern with nothing computed: CTA b reads KV head b % 8 of tokens [1024 (b / 8),
@@ -138,7 +118,7 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(const Params p) {
 __global__ void __launch_bounds__(128) paged_copy_kernel(const Params p) {
   extern __shared__ __align__(16) uint4 stage_smem[];
   const unsigned long long t0 = now_ns();
-  stamp_start(p, t0);
+  stamp_start(p.stamps, t0);
   constexpr int kStages = 3, kTiles = 16, kTileChunks = 2048;  // uint4s a tile: 2 x 64 tokens x 16
   const int head = blockIdx.x % 8, piece = blockIdx.x / 8;
   const long long v_offset = 2048LL * 16 * 8 * 128 / 8;  // uint4s of K
@@ -180,7 +160,7 @@ __global__ void __launch_bounds__(128) paged_copy_kernel(const Params p) {
     tile_work(p);  // the decode kernel computes tile t here, with tiles t + 1 and t + 2 in flight
   }
   if (acc == 0x12345678u) p.sink[blockIdx.x] = 1.f;
-  stamp_end(p);
+  stamp_end(p.stamps);
 }
 
 // paged_copy_kernel with each warp its own pipeline: warp w copies and reads rows 16 w .. 16 w + 15 of every tile
@@ -190,7 +170,7 @@ __global__ void __launch_bounds__(128) paged_copy_kernel(const Params p) {
 __global__ void __launch_bounds__(128) paged_copy_warp_kernel(const Params p) {
   extern __shared__ __align__(16) uint4 stage_smem[];
   const unsigned long long t0 = now_ns();
-  stamp_start(p, t0);
+  stamp_start(p.stamps, t0);
   constexpr int kStages = 3, kTiles = 16, kTileChunks = 2048, kWarpChunks = kTileChunks / 4;
   const int head = blockIdx.x % 8, piece = blockIdx.x / 8;
   const long long v_offset = 2048LL * 16 * 8 * 128 / 8;  // uint4s of K
@@ -232,7 +212,7 @@ __global__ void __launch_bounds__(128) paged_copy_warp_kernel(const Params p) {
     __syncwarp();  // every lane has read stage t % kStages before a lane's next issue overwrites it
   }
   if (acc == 0x12345678u) p.sink[blockIdx.x] = 1.f;
-  stamp_end(p);
+  stamp_end(p.stamps);
 }
 
 __global__ void dependent_kernel(const Params p) {
