@@ -185,9 +185,9 @@ void expect_decode_option_compiles(const std::string& define) {
       }
 }
 
-// The kernel merge's count before session 34 (perf-notes v29).
-TEST(JitCompile, DecodeMergeCountAfterTheRowsOptionForSm80AndSm90a) {
-  expect_decode_option_compiles("ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY 0");
+// The kernel merge's arrive-early count of sessions 34-36 (perf-notes v29, v32).
+TEST(JitCompile, DecodeMergeArriveEarlyOptionForSm80AndSm90a) {
+  expect_decode_option_compiles("ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY 1");
 }
 
 // The wgmma probe kernels (tests/wgmma_probe.h) compile for sm_90a, and their SASS is the warpgroup product the

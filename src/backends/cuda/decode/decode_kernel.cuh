@@ -146,14 +146,17 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
   }
 }
 
-// Merges in the decode kernel (AttentionParams::merge_counters): one 32-bit word per merge, KV head and row block
-// counts the merge's CTAs twice, arrivals in its low 16 bits and written states in its high 16 (a merge has at most
-// a few thousand states: decode_merges_in_kernel). A CTA arrives as its tile loop ends (merge_arrive: a relaxed
-// atomic, whose trip runs under the finish), and the one that arrives last merges. The others, once their partial
-// rows are written, count their state (merge_publish: the barrier orders every thread's writes before thread 0's
-// release); the merging CTA writes its own state too, then waits for the others' (an acquire load, usually one trip:
-// they arrived first) and puts the word back to zero for the next launch. Against one acq_rel count after the rows
-// (until session 34), the merging CTA no longer waits for its own writes' fence and then the atomic's trip.
+// Merges in the decode kernel (AttentionParams::merge_counters): one 32-bit word per merge, KV head and row block.
+// By default each CTA counts its state once its rows are written (merge_count_written: one acq_rel atomic after the
+// barrier), and the CTA that counts last merges. The A/B build option -DATTNFORGE_DECODE_MERGE_ARRIVE_EARLY=1 (the
+// default of sessions 34-36, perf-notes v29 and v32) counts the merge's CTAs twice instead, arrivals in the word's
+// low 16 bits and written states in its high 16 (a merge has at most a few thousand states:
+// decode_merges_in_kernel): a CTA arrives as its tile loop ends (merge_arrive: a relaxed atomic, whose trip runs
+// under the finish), and the one that arrives last merges; the others, once their partial rows are written, count
+// their state (merge_publish: the barrier orders every thread's writes before thread 0's release); the merging CTA
+// writes its own state too, then waits for the others' (an acquire load) and puts the word back to zero for the next
+// launch. It spares the merging CTA its own writes' fence and the atomic's trip, but makes it wait for the rows of
+// CTAs that arrived just before it: measured level or slower (1 x 2048 +5% a call in a graph of many, H100, v32).
 __device__ __forceinline__ int32_t* merge_counter(const AttentionParams& p, const WorkItem& it, int kv_head) {
   return p.merge_counters + (static_cast<int64_t>(it.merge) * p.num_kv_heads + kv_head) * gridDim.z + blockIdx.z;
 }
@@ -190,12 +193,12 @@ __device__ __forceinline__ bool merge_publish(const AttentionParams& p, const Wo
   return s_last != 0;
 }
 
-// The count before session 34, for A/B builds (-DATTNFORGE_DECODE_MERGE_ARRIVE_EARLY=0; on by default): each CTA
-// counts its state once its rows are written, by an acq_rel atomic after the barrier (the barrier orders every
-// thread's writes before it: cumulativity), and the CTA that counts last merges, after its own writes' fence and the
-// atomic's trip; it puts the word back to zero. The fold (merge_split_rows) is the same in either build.
+// The default count: each CTA counts its state once its rows are written, by an acq_rel atomic after the barrier
+// (the barrier orders every thread's writes before it: cumulativity), and the CTA that counts last merges, after its
+// own writes' fence and the atomic's trip; it puts the word back to zero. The fold (merge_split_rows) is the same in
+// either build (-DATTNFORGE_DECODE_MERGE_ARRIVE_EARLY=1: the arrive-early count above, for A/B builds).
 #ifndef ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY
-#define ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY 1
+#define ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY 0
 #endif
 constexpr bool kMergeArriveEarly = ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY != 0;
 template <class Tr>
@@ -967,7 +970,8 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     ATTNFORGE_TL(tl_lap(2);)
     // The merge kernel may be scheduled once every CTA got here (it waits for this grid's end before reading).
     grid_launch_dependents();
-    // Merges in this kernel: this CTA arrives now (merge_arrive), and learns after its rows whether it merges.
+    // Merges in this kernel: with the arrive-early count this CTA arrives now (merge_arrive); either way it learns
+    // after its rows whether it merges.
     const bool in_kernel_merge = !kCustom && p.merge_counters != nullptr && it.merge >= 0;
     int32_t arrivals_before = 0;
     if (kMergeArriveEarly && in_kernel_merge && tid == 0) arrivals_before = merge_arrive(p, it, kv_head);
@@ -1015,8 +1019,8 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
       finish_rows_variant<Tr, V>(p, va, it, ms, row0, rows, group, kv_head, qo_start, qo_len, kv_len);
     } else {
       finish_rows<Tr>(p, it, ms, row0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
-      // Merges in this kernel (AttentionParams::merge_counters): the last CTA to arrive combines the states once the
-      // others are written (merge_publish).
+      // Merges in this kernel (AttentionParams::merge_counters): the last CTA to count its written state combines
+      // the states (merge_count_written; merge_publish with the arrive-early count).
       ATTNFORGE_TL(tl_merge[5] = global_ns();)
       if (in_kernel_merge && (kMergeArriveEarly ? merge_publish<Tr>(p, it, kv_head, arrivals_before)
                                                 : merge_count_written<Tr>(p, it, kv_head)))
