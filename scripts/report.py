@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Combines attnforge's benchmark JSON and the peers' JSON (same run, same shapes) into a markdown table with
 the achieved bandwidth, its share of the copy bandwidth measured in the same run, and the ratio to each peer."""
+import datetime
 import json
 import sys
 
@@ -26,7 +27,12 @@ def main():
         except FileNotFoundError:
             pass
     header = [r for r in ours if r.get("system") == "ceiling"]
-    lines = []
+    # A title naming the device, the commit and the day, so a record copied under bench/results says where it came
+    # from (the bench JSON carries the first two; the report is made in the same call as the run).
+    first = ours[0] if ours else {}
+    day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    lines = [f"# attnforge bench on {first.get('device', 'an unknown device')}, commit {first.get('commit', 'unknown')}, "
+             f"{day} (UTC)", ""]
     for c in header:
         if "tflops" in c:
             lines.append(f"- ceiling {c['case']}: {c['tflops']:.0f} TFLOP/s")
