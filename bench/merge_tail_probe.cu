@@ -4,7 +4,8 @@
 // the bytes set the CTAs' end spread), then ends its CTA's state (4 query rows x 128 dims of fp32 O and 4 LSEs: one
 // GQA group of one KV head, a thread one row's four dims) in one of these ways:
 //   none     the state is written to global memory (the partial buffers), nothing merged: the floor;
-//   global   as the decode kernel merges (decode_kernel.cuh, merge_publish and merge_split_rows' one-pass form): a
+//   global   as the decode kernel merged in sessions 34-36 (its arrive-early count, removed since, perf-notes v32,
+//            and merge_split_rows' one-pass form): a
 //            relaxed arrival as the stream ends, the partial rows written and counted by red.release, and the CTA
 //            that arrived last among its KV head's 32 waits (acquire) for the others' rows, loads the 32 states by
 //            cp.async and folds them in split order;

@@ -160,36 +160,6 @@ TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
   for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
 }
 
-// The decode kernel's A/B build options keep compiling, without spills, where the default build never instantiates
-// them, and each changes the code (a d128 sm_90a cubin differs from the default's, so a test of an option that
-// stopped taking effect fails): `define` ahead of the rendered source of 16-bit and fp8 K/V kernels at head_dim 64,
-// 128 (the small-batch pipeline's three stages) and 256, for sm_80 and sm_90a.
-void expect_decode_option_compiles(const std::string& define) {
-  for (const char* arch : {"sm_80", "sm_90a"})
-    for (int32_t d : {64, 128, 256})
-      for (DType kv : {DType::kBFloat16, DType::kFloat8E4M3}) {
-        const AttentionShape shape{32, 8, d, d, DType::kBFloat16, kv, DType::kBFloat16};
-        const KernelKey key = d == 128 && kv == DType::kBFloat16 ? decode_key(shape, arch, DecodeTile{3})
-                                                                   : decode_key(shape, arch);
-        KernelSource src = key.render();
-        const std::string plain_source = src.source;
-        src.source = "#define " + define + "\n" + plain_source;
-        src.name += " with " + define;
-        const CompiledModule m = compile(src);
-        EXPECT_FALSE(m.lowered_names.empty() || m.lowered_names[kAttentionEntry].empty()) << src.name;
-        EXPECT_EQ(m.log.find("spill"), std::string::npos) << src.name << ": " << m.log;
-        if (d == 128 && kv == DType::kBFloat16 && std::string(arch) == "sm_90a") {
-          src.source = plain_source;
-          EXPECT_NE(compile(src).binary, m.binary) << src.name << ": the same cubin with and without the option";
-        }
-      }
-}
-
-// The kernel merge's arrive-early count of sessions 34-36 (perf-notes v29, v32).
-TEST(JitCompile, DecodeMergeArriveEarlyOptionForSm80AndSm90a) {
-  expect_decode_option_compiles("ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY 1");
-}
-
 // The wgmma probe kernels (tests/wgmma_probe.h) compile for sm_90a, and their SASS is the warpgroup product the
 // prefill kernel will be built on: an ELF cubin naming both kernels, no spill.
 TEST(JitCompile, WgmmaProbeKernelsForSm90a) {

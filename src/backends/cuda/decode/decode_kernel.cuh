@@ -147,60 +147,14 @@ __device__ __forceinline__ void finish_rows(const AttentionParams& p, const Work
 }
 
 // Merges in the decode kernel (AttentionParams::merge_counters): one 32-bit word per merge, KV head and row block.
-// By default each CTA counts its state once its rows are written (merge_count_written: one acq_rel atomic after the
-// barrier), and the CTA that counts last merges. The A/B build option -DATTNFORGE_DECODE_MERGE_ARRIVE_EARLY=1 (the
-// default of sessions 34-36, perf-notes v29 and v32) counts the merge's CTAs twice instead, arrivals in the word's
-// low 16 bits and written states in its high 16 (a merge has at most a few thousand states:
-// decode_merges_in_kernel): a CTA arrives as its tile loop ends (merge_arrive: a relaxed atomic, whose trip runs
-// under the finish), and the one that arrives last merges; the others, once their partial rows are written, count
-// their state (merge_publish: the barrier orders every thread's writes before thread 0's release); the merging CTA
-// writes its own state too, then waits for the others' (an acquire load) and puts the word back to zero for the next
-// launch. It spares the merging CTA its own writes' fence and the atomic's trip, but makes it wait for the rows of
-// CTAs that arrived just before it: measured level or slower (1 x 2048 +5% a call in a graph of many, H100, v32).
+// Each CTA counts its state once its rows are written, by an acq_rel atomic after the barrier (the barrier orders
+// every thread's writes before it: cumulativity), and the CTA that counts last merges, after its own writes' fence
+// and the atomic's trip; it puts the word back to zero for the next launch. (An earlier count, each CTA arriving as
+// its tile loop ended and the last to arrive waiting for the others' rows, measured level or slower: perf-notes v29,
+// v32.)
 __device__ __forceinline__ int32_t* merge_counter(const AttentionParams& p, const WorkItem& it, int kv_head) {
   return p.merge_counters + (static_cast<int64_t>(it.merge) * p.num_kv_heads + kv_head) * gridDim.z + blockIdx.z;
 }
-constexpr int32_t kMergeArrival = 1, kMergeWritten = 1 << 16;
-// Thread 0: this CTA's arrival; the arrivals before it (low bits of the word before the add).
-__device__ __forceinline__ int32_t merge_arrive(const AttentionParams& p, const WorkItem& it, int kv_head) {
-  int32_t before;
-  asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], %2;\n"
-               : "=r"(before)
-               : "l"(merge_counter(p, it, kv_head)), "r"(kMergeArrival)
-               : "memory");
-  return before & (kMergeWritten - 1);
-}
-// After the CTA's partial rows are written: true in the CTA that arrived last, once every other state is written.
-template <class Tr>
-__device__ __forceinline__ bool merge_publish(const AttentionParams& p, const WorkItem& it, int kv_head,
-                                              int32_t arrivals_before) {
-  __shared__ int s_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t* counter = merge_counter(p, it, kv_head);
-    const bool last = arrivals_before == it.merge_states - 1;
-    if (!last) {
-      asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(counter), "r"(kMergeWritten) : "memory");
-    } else {
-      const int32_t others = (it.merge_states - 1) * kMergeWritten;
-      while ((load_acquire_gpu(counter) & ~(kMergeWritten - 1)) != others) {
-      }
-      *counter = 0;
-    }
-    s_last = last;
-  }
-  __syncthreads();
-  return s_last != 0;
-}
-
-// The default count: each CTA counts its state once its rows are written, by an acq_rel atomic after the barrier
-// (the barrier orders every thread's writes before it: cumulativity), and the CTA that counts last merges, after its
-// own writes' fence and the atomic's trip; it puts the word back to zero. The fold (merge_split_rows) is the same in
-// either build (-DATTNFORGE_DECODE_MERGE_ARRIVE_EARLY=1: the arrive-early count above, for A/B builds).
-#ifndef ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY
-#define ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY 0
-#endif
-constexpr bool kMergeArriveEarly = ATTNFORGE_DECODE_MERGE_ARRIVE_EARLY != 0;
 template <class Tr>
 __device__ __forceinline__ bool merge_count_written(const AttentionParams& p, const WorkItem& it, int kv_head) {
   __shared__ int s_last;
@@ -227,7 +181,7 @@ __device__ __forceinline__ void publish_state(const AttentionParams& p, int item
   }
 }
 
-// The merging CTA (merge_publish) combines the states of its rows (row0 .. row0 + rows - 1 of every piece of the
+// The merging CTA (merge_count_written) combines the states of its rows (row0 .. row0 + rows - 1 of every piece of the
 // request) in the kernel's shared memory, which the K/V stages and Q no longer need (the caller's barrier). A thread
 // owns (row, four dims) pairs: it copies its pairs' O slices of every state by cp.async through L2 and later reads
 // back only those, so an O copy costs a pointer step and no index arithmetic (the first version spent 16 us of one
@@ -970,11 +924,8 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     ATTNFORGE_TL(tl_lap(2);)
     // The merge kernel may be scheduled once every CTA got here (it waits for this grid's end before reading).
     grid_launch_dependents();
-    // Merges in this kernel: with the arrive-early count this CTA arrives now (merge_arrive); either way it learns
-    // after its rows whether it merges.
+    // Merges in this kernel: this CTA learns after its rows whether it merges.
     const bool in_kernel_merge = !kCustom && p.merge_counters != nullptr && it.merge >= 0;
-    int32_t arrivals_before = 0;
-    if (kMergeArriveEarly && in_kernel_merge && tid == 0) arrivals_before = merge_arrive(p, it, kv_head);
 
     // Merge the four warps' states. Row sums are per-thread partials until here.
     const DecodeMergeSmem<Tr> ms(sK);
@@ -1020,10 +971,9 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     } else {
       finish_rows<Tr>(p, it, ms, row0, rows, group, kv_head, qo_start, kv.v_scale, it.partial_row >= 0);
       // Merges in this kernel (AttentionParams::merge_counters): the last CTA to count its written state combines
-      // the states (merge_count_written; merge_publish with the arrive-early count).
+      // the states (merge_count_written).
       ATTNFORGE_TL(tl_merge[5] = global_ns();)
-      if (in_kernel_merge && (kMergeArriveEarly ? merge_publish<Tr>(p, it, kv_head, arrivals_before)
-                                                : merge_count_written<Tr>(p, it, kv_head)))
+      if (in_kernel_merge && merge_count_written<Tr>(p, it, kv_head))
         merge_split_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), row0, rows, group, kv_head,
                              qo_start ATTNFORGE_TL(, tl_merge));
       else if (!kFp8 && p.merge_flags != nullptr && it.merge >= 0)
