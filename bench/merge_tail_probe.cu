@@ -16,7 +16,15 @@
 //   cluster16 the same with 16-CTA clusters (a non-portable size; skipped where the device refuses it): 2
 //            clusters a KV head; cluster4 and cluster2 the same with 4- and 2-CTA clusters (8 and 16 clusters a KV
 //            head: on a 132-SM Hopper only 240 CTAs in clusters of 8 and 224 in clusters of 16 are resident at once,
-//            a second wave for the step's 256, perf-notes v31; smaller clusters pack the SMs' slots more fully).
+//            a second wave for the step's 256, perf-notes v31; smaller clusters pack the SMs' slots more fully);
+//   dynamic  none and global again, with the stream's tiles handed out from a counter per KV head instead of 512 KB
+//            a CTA: each CTA starts on two tiles of its own, then takes the head's next tile from the counter (one
+//            atomic a tile, taken a tile ahead of its copies), so the CTAs of a head end within about a tile of one
+//            another whichever of them the memory system favours. It says what the static split's end spread costs
+//            (the states are still one a CTA: a kernel built this way would need states per fixed piece of KV, not
+//            per CTA, to stay deterministic).
+// The rows without a merge also print the CTAs' end times after the first CTA's start (p10, p50, p90, max; the
+// medians over the timed launches).
 // Each row: the events' median around one plain call, the kernel's median span (first CTA's start to the last
 // CTA's end, %globaltimer), and a call's share of a graph of 16 calls; every variant's output is checked against a
 // host fold of the same states first.
@@ -46,6 +54,8 @@ struct Params {
   float4* partial_o;           // [kCtas][kRows * kQuads]
   float* partial_lse;          // [kCtas][kRows]
   int* counters;               // global: one a KV head; clusters: one a (KV head, slice)
+  int* tile_counters;          // dynamic: the next tile of each KV head, past the tiles every CTA starts on
+  unsigned long long* ends;    // [kCtas] each CTA's end (global ns)
   float4* out;                 // [kHeads][kRows * kQuads], normalized
   unsigned seed;               // varies the states by call
 };
@@ -84,6 +94,57 @@ __device__ uint32_t stream_tiles(const Params& p) {
   return acc;
 }
 
+// dynamic: the head's 16 MB as 512 tiles of 32 KB; CTA `split` starts on tiles 2 split and 2 split + 1, then takes
+// tiles 64, 65, .. from the head's counter, a tile ahead of its copies (double-buffered in shared memory: thread 0
+// writes the one the next iteration reads). The CTA whose take is the head's last (each CTA takes once past the end)
+// puts the counter back to zero for the next launch.
+__device__ uint32_t stream_tiles_dynamic(const Params& p, int head, int split) {
+  extern __shared__ __align__(16) uint4 stages[];
+  __shared__ int s_take[2];
+  constexpr int kPer = kStageBytes / 16 / kThreads;
+  constexpr int kTiles = static_cast<int>(kBytes / kHeads / kStageBytes), kFirst = 2 * kSplits;
+  constexpr int kTakes = kTiles - kFirst + kSplits;  // every tile past the first ones, and one failed take a CTA
+  const uint4* base = p.src + static_cast<long long>(head) * (kBytes / 16 / kHeads);
+  int* counter = p.tile_counters + head;
+  auto issue = [&](int stage, int tile) {
+    if (tile < kTiles) {
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int e = k * kThreads + threadIdx.x;
+        const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stages + stage * (kStageBytes / 16) + e));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
+                     "l"(base + static_cast<long long>(tile) * (kStageBytes / 16) + e));
+      }
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  auto take = [&](int slot) {
+    if (threadIdx.x == 0) {
+      const int v = atomicAdd(counter, 1);
+      if (v == kTakes - 1) *counter = 0;
+      s_take[slot] = kFirst + v;
+    }
+  };
+  int cur = 2 * split, nxt = 2 * split + 1;
+  issue(0, cur);
+  issue(1, nxt);
+  take(0);
+  uint32_t acc = 0;
+  for (int t = 0; cur < kTiles; ++t) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2));
+    __syncthreads();  // tile t landed; s_take[t & 1] written; every thread read s_take[(t + 1) & 1] last time
+    acc ^= stages[(t % kStages) * (kStageBytes / 16) + threadIdx.x].x;
+    const int after = s_take[t & 1];
+    issue((t + kStages - 1) % kStages, after);
+    if (after < kTiles) take((t + 1) & 1);
+    else if (threadIdx.x == 0) s_take[(t + 1) & 1] = kTiles;
+    cur = nxt, nxt = after;
+  }
+  asm volatile("cp.async.wait_group 0;");
+  __syncthreads();  // the stages are free for the merge
+  return acc;
+}
+
 // This CTA's state, a function of (split, row, quad, seed) alone, so the host can fold the same values.
 __device__ __forceinline__ void make_state(const Params& p, int split, uint32_t acc, float4* o, float* lse) {
   const int r = threadIdx.x / kQuads, q = threadIdx.x % kQuads;
@@ -116,23 +177,26 @@ __device__ __forceinline__ void fold(Lse&& lse_of, O&& o_of, float4* out_o, floa
 }
 
 // none: each CTA writes its state; nothing merged.
+template <bool kDynamic>
 __global__ void __launch_bounds__(kThreads) tail_none(const Params p) {
   stamp_start(p.stamps, now_ns());
-  const uint32_t acc = stream_tiles(p);
+  const uint32_t acc = kDynamic ? stream_tiles_dynamic(p, blockIdx.x / kSplits, blockIdx.x % kSplits) : stream_tiles(p);
   float4 o;
   float lse;
   make_state(p, blockIdx.x % kSplits, acc, &o, &lse);
   p.partial_o[blockIdx.x * kThreads + threadIdx.x] = o;
   if (threadIdx.x % kQuads == 0) p.partial_lse[blockIdx.x * kRows + threadIdx.x / kQuads] = lse;
   stamp_end(p.stamps);
+  if (threadIdx.x == 0) p.ends[blockIdx.x] = now_ns();
 }
 
 // global: the decode kernel's in-kernel merge (arrivals in the low 16 bits, written states in the high 16).
+template <bool kDynamic>
 __global__ void __launch_bounds__(kThreads) tail_global(const Params p) {
   __shared__ int s_last;
   stamp_start(p.stamps, now_ns());
   const int head = blockIdx.x / kSplits, split = blockIdx.x % kSplits;
-  const uint32_t acc = stream_tiles(p);
+  const uint32_t acc = kDynamic ? stream_tiles_dynamic(p, head, split) : stream_tiles(p);
   int* counter = p.counters + head;
   int before = 0;
   if (threadIdx.x == 0)
@@ -272,6 +336,9 @@ int main() {
   CHECK(cudaMalloc(&base.counters, kHeads * 16 * sizeof(int)));
   CHECK(cudaMemset(base.counters, 0, kHeads * 16 * sizeof(int)));
   CHECK(cudaMalloc(&base.out, kHeads * kThreads * sizeof(float4)));
+  CHECK(cudaMalloc(&base.tile_counters, kHeads * sizeof(int)));
+  CHECK(cudaMemset(base.tile_counters, 0, kHeads * sizeof(int)));
+  CHECK(cudaMalloc(&base.ends, kCtas * sizeof(unsigned long long)));
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
@@ -284,8 +351,10 @@ int main() {
     int cluster;  // 0: no cluster launch
     bool merges;
   };
-  const Variant variants[] = {{"none (states written, no merge)", tail_none, 0, false},
-                              {"global (the decode kernel's merge)", tail_global, 0, true},
+  const Variant variants[] = {{"none (states written, no merge)", tail_none<false>, 0, false},
+                              {"global (the decode kernel's merge)", tail_global<false>, 0, true},
+                              {"dynamic none (tiles from a counter)", tail_none<true>, 0, false},
+                              {"dynamic global", tail_global<true>, 0, true},
                               {"cluster2 (DSMEM, then 16 states)", tail_cluster<2>, 2, true},
                               {"cluster4 (DSMEM, then 8 states)", tail_cluster<4>, 4, true},
                               {"cluster8 (DSMEM, then 4 states)", tail_cluster<8>, 8, true},
@@ -349,7 +418,7 @@ int main() {
     }
     for (int i = 0; i < 10; ++i) launch(v, i);
     CHECK(cudaStreamSynchronize(stream));
-    std::vector<double> ev, sp;
+    std::vector<double> ev, sp, ends[4];  // ends: the CTAs' p10, p50, p90, max after the first start
     for (int i = 0; i < 200; ++i) {
       CHECK(cudaMemcpyAsync(base.stamps, reset, sizeof reset, cudaMemcpyHostToDevice, stream));
       CHECK(cudaStreamSynchronize(stream));
@@ -363,6 +432,13 @@ int main() {
       CHECK(cudaMemcpy(h, base.stamps, sizeof h, cudaMemcpyDeviceToHost));
       ev.push_back(ms * 1e3);
       sp.push_back(h[1] > h[0] ? (h[1] - h[0]) * 1e-3 : 0.0);
+      if (!v.merges) {
+        std::vector<unsigned long long> e(kCtas);
+        CHECK(cudaMemcpy(e.data(), base.ends, kCtas * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+        std::sort(e.begin(), e.end());
+        const int at[4] = {kCtas / 10, kCtas / 2, kCtas * 9 / 10, kCtas - 1};
+        for (int k = 0; k < 4; ++k) ends[k].push_back(e[at[k]] > h[0] ? (e[at[k]] - h[0]) * 1e-3 : 0.0);
+      }
     }
     // A call's share of a graph of 16 calls, replayed 20 times.
     cudaGraph_t g;
@@ -386,8 +462,16 @@ int main() {
     std::sort(ev.begin(), ev.end());
     std::sort(sp.begin(), sp.end());
     std::sort(chain.begin(), chain.end());
-    std::printf("%-40s %10.2f %10.2f %10.2f %12.2f\n", v.name, ev[ev.size() / 2], sp[sp.size() / 2],
+    std::printf("%-40s %10.2f %10.2f %10.2f %12.2f", v.name, ev[ev.size() / 2], sp[sp.size() / 2],
                 ev[ev.size() / 2] - sp[sp.size() / 2], chain[chain.size() / 2]);
+    if (!v.merges) {
+      std::printf("   CTA ends p10/p50/p90/max");
+      for (auto& x : ends) {
+        std::sort(x.begin(), x.end());
+        std::printf(" %.2f", x[x.size() / 2]);
+      }
+    }
+    std::printf("\n");
   }
   CHECK(cudaGetLastError());
   return 0;
