@@ -56,6 +56,10 @@ std::vector<CaseSpec> registry_cases(bool quick) {
   v.push_back(with(decode({300, 17}), [](CaseSpec& s) { s.padded_v_only = true, s.layout = KVLayout::kHND; }));
   v.push_back(with(decode({130, 9}), [](CaseSpec& s) { s.head_dim_qk = 96, s.head_dim_vo = 64; }));
   v.push_back(with(decode({70}), [](CaseSpec& s) { s.head_dim_qk = 256; }));
+  // Head_dim 256 over whole tiles (the CUDA loader's whole-tile path, its rows 4 apart in the swizzle): K and V with
+  // their own strides, and HND pages.
+  v.push_back(with(decode({300, 17}), [](CaseSpec& s) { s.head_dim_qk = 256, s.padded_v_only = true; }));
+  v.push_back(with(decode({300, 17}), [](CaseSpec& s) { s.head_dim_qk = 256, s.layout = KVLayout::kHND; }));
   v.push_back(with(decode({40}), [](CaseSpec& s) { s.head_dim_qk = 512, s.num_qo_heads = 4; }));
   v.push_back(with(decode({40, 5}), [](CaseSpec& s) { s.head_dim_qk = 8; }));
   // Split KV (forced by asking for many workers) with merges, and deterministic fixed splits.
