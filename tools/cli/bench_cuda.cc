@@ -151,7 +151,8 @@ std::vector<GpuBenchCase> gpu_suite(bool quick) {
       s.head_dim_qk = d;
       v.push_back({fmt::format("decode {}x{} d{}", batch, kv, d), s, true});
     }
-  // A batch that fills the GPU at head_dim 256 (two stages, one CTA an SM, no split).
+  // A batch that fills the GPU at head_dim 256 (two stages, one CTA an SM; the planner cuts each request in two,
+  // toward two waves).
   testing::CaseSpec d256 = gpu_decode(32, 8192);
   d256.head_dim_qk = 256;
   v.push_back({"decode 32x8192 d256", d256});

@@ -331,13 +331,20 @@ struct KVTileLoader {
     const uint32_t k_token_bytes = static_cast<uint32_t>(kv.k_stride_token * kElemBytes);
     const uint32_t v_page_bytes = static_cast<uint32_t>(kv.v_stride_page * kElemBytes);
     const uint32_t v_token_bytes = static_cast<uint32_t>(kv.v_stride_token * kElemBytes);
-    if constexpr (kPageSlots == 0 && !kPanels && kRowGroups % 8 == 0) {
+    // Rows r0 + i kRowGroups (r0 < kRowGroups) of a power-of-two kRowGroups have swizzle rows (r0 + i kRowGroups) & 7
+    // = r0 ^ ((i kRowGroups) & 7): the first row's destination with its chunk field XORed by a constant. Every
+    // 16-bit and fp8 decode loader has such rows (kRowGroups 4 at head_dim 256, 8 or more elsewhere).
+    constexpr bool kRowsBySwizzleConstant =
+        kRowGroups % 8 == 0 || (kRowBytes % 128 == 0 && (kRowGroups & (kRowGroups - 1)) == 0);
+    if constexpr (kPageSlots == 0 && !kPanels && kRowsBySwizzleConstant) {
       // A whole tile of a paged cache with power-of-two pages (the common case; the decode kernel's every tile but
-      // an item's last): no row is past `last`, a row's slot is a mask, and this thread's rows r0 + i kRowGroups
-      // keep r0's swizzle, so a row's destination is the first one's plus an immediate. A row costs its slot, two
-      // multiply-adds a copy and the copies: about 17 instructions (sm_90a SASS), where the general path below took
-      // about 35 (validity, the slot's modulo branch, the invalid row's fallback address). Where K and V have the
-      // same strides (the usual cache), V's address is K's plus the distance between the two bases.
+      // an item's last): no row is past `last`, a row's slot is a mask, and a row's destination is the first one's
+      // plus an immediate (rows 8 or more apart keep r0's swizzle; at head_dim 256, 4 apart, every other row XORs
+      // the chunk field with 4). A row costs its slot, two multiply-adds a copy and the copies: about 17
+      // instructions (sm_90a SASS), where the general path below took about 35 (validity, the slot's modulo branch,
+      // the invalid row's fallback address). Where K and V have the same strides (the usual cache), V's address is
+      // K's plus the distance between the two bases. (Until session 38 head_dim 256 took the general path: half of
+      // its tile loop's instructions, by ncu's counts on an H100.)
       if (first + (t + 1) * kTileTokens <= last && page_pow2 && kv.format != KVFormat::kRagged) {
         const int r0 = static_cast<int>(threadIdx.x) / kChunks;
         const int dst0 = swizzle_bytes<kRowBytes>(r0, chunk);
@@ -353,7 +360,8 @@ struct KVTileLoader {
           const uint8_t* vsrc =
               same ? ksrc + v_minus_k
                    : v_base + (static_cast<uint64_t>(page) * v_page_bytes + static_cast<uint64_t>(slot) * v_token_bytes);
-          const int dst = dst0 + k * kRowGroups * kRowBytes;
+          const int flip = kRowGroups % 8 == 0 ? 0 : ((k * kRowGroups) & 7) << 4;  // per row, once unrolled
+          const int dst = (dst0 ^ flip) + k * kRowGroups * kRowBytes;
           cp_async_16(static_cast<uint8_t*>(sK) + dst, ksrc, 16);
           cp_async_16(static_cast<uint8_t*>(sV) + dst, vsrc, 16);
         }
