@@ -60,34 +60,36 @@ struct Params {
   unsigned seed;               // varies the states by call
 };
 
-// The CTA's 512 KB of K/V through three 32 KB cp.async stages; returns a word of what landed.
-__device__ uint32_t stream_tiles(const Params& p) {
-  extern __shared__ __align__(16) uint4 stages[];
+// Tile `tile` (32 KB) from `base` into shared stage `stage` by cp.async; no copy for tile < 0 or past `tiles`. Commits
+// a group either way, so every iteration of a stream has one.
+__device__ __forceinline__ void copy_tile(uint4* stages, const uint4* base, int stage, int tile, int tiles) {
   constexpr int kPer = kStageBytes / 16 / kThreads;
-  const long long chunk = kBytes / 16 / kCtas;  // uint4s a CTA
-  const uint4* base = p.src + blockIdx.x * chunk;
-  const int tiles = static_cast<int>(chunk / (kStageBytes / 16));
-  auto issue = [&](int t) {
+  if (tile >= 0 && tile < tiles) {
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
       const int e = k * kThreads + threadIdx.x;
-      const uint32_t dst =
-          static_cast<uint32_t>(__cvta_generic_to_shared(stages + (t % kStages) * (kStageBytes / 16) + e));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(base + static_cast<long long>(t) *
-                                                                                          (kStageBytes / 16) + e));
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stages + stage * (kStageBytes / 16) + e));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
+                   "l"(base + static_cast<long long>(tile) * (kStageBytes / 16) + e));
     }
-    asm volatile("cp.async.commit_group;");
-  };
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+// The CTA's 512 KB of K/V through three 32 KB cp.async stages; returns a word of what landed.
+__device__ uint32_t stream_tiles(const Params& p) {
+  extern __shared__ __align__(16) uint4 stages[];
+  const long long chunk = kBytes / 16 / kCtas;  // uint4s a CTA
+  const uint4* base = p.src + blockIdx.x * chunk;
+  const int tiles = static_cast<int>(chunk / (kStageBytes / 16));
+  auto issue = [&](int t) { copy_tile(stages, base, t % kStages, t, tiles); };
   for (int t = 0; t < kStages - 1; ++t) issue(t);
   uint32_t acc = 0;
   for (int t = 0; t < tiles; ++t) {
     asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2));
     __syncthreads();
     acc ^= stages[(t % kStages) * (kStageBytes / 16) + threadIdx.x].x;
-    if (t + kStages - 1 < tiles)
-      issue(t + kStages - 1);
-    else
-      asm volatile("cp.async.commit_group;");
+    issue(t + kStages - 1);
   }
   asm volatile("cp.async.wait_group 0;");
   __syncthreads();  // the stages are free for the merge
@@ -101,23 +103,11 @@ __device__ uint32_t stream_tiles(const Params& p) {
 __device__ uint32_t stream_tiles_dynamic(const Params& p, int head, int split) {
   extern __shared__ __align__(16) uint4 stages[];
   __shared__ int s_take[2];
-  constexpr int kPer = kStageBytes / 16 / kThreads;
   constexpr int kTiles = static_cast<int>(kBytes / kHeads / kStageBytes), kFirst = 2 * kSplits;
   constexpr int kTakes = kTiles - kFirst + kSplits;  // every tile past the first ones, and one failed take a CTA
   const uint4* base = p.src + static_cast<long long>(head) * (kBytes / 16 / kHeads);
   int* counter = p.tile_counters + head;
-  auto issue = [&](int stage, int tile) {
-    if (tile < kTiles) {
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        const int e = k * kThreads + threadIdx.x;
-        const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stages + stage * (kStageBytes / 16) + e));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
-                     "l"(base + static_cast<long long>(tile) * (kStageBytes / 16) + e));
-      }
-    }
-    asm volatile("cp.async.commit_group;");
-  };
+  auto issue = [&](int stage, int tile) { copy_tile(stages, base, stage, tile, kTiles); };
   auto take = [&](int slot) {
     if (threadIdx.x == 0) {
       const int v = atomicAdd(counter, 1);
