@@ -6,7 +6,11 @@
 // "graph of one": the same launch as a one-node graph instantiated once and launched with cudaGraphLaunch, its
 // parameters unchanged or set anew before each launch (cudaGraphExecKernelNodeSetParams, as an eager run() that
 // launched through a cached graph would have to: every layer's call has its own tensors).
-// Build: nvcc -O2 -arch=sm_90a -o launch_probe bench/launch_probe.cu (on any machine with nvcc; run it on the GPU machine).
+// "driver": the same launch through cuLaunchKernelEx on the kernel's CUfunction (cudaGetFuncBySymbol, once), which
+// skips the runtime's per-call bookkeeping (ATTNFORGE_LAUNCH=driver in the library).
+// Build: nvcc -O2 -arch=sm_90a -o launch_probe bench/launch_probe.cu -lcuda (on any machine with nvcc; run it on the
+// GPU machine).
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <chrono>
@@ -68,7 +72,17 @@ int main() {
     c.attrs = &attr; c.numAttrs = pdl ? 1 : 0;
     cudaLaunchKernelEx(&c, k_smem, b);
   };
-  k_small<<<1, 32>>>(s); k_big<<<1, 32>>>(b); ex_smem(false, 1); cudaDeviceSynchronize();
+  cudaFunction_t smem_fn = nullptr;
+  cudaGetFuncBySymbol(&smem_fn, reinterpret_cast<const void*>(k_smem));
+  auto drv_smem = [&](bool pdl, int grid) {
+    CUlaunchAttribute a{}; a.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    a.value.programmaticStreamSerializationAllowed = 1;
+    CUlaunchConfig c{}; c.gridDimX = grid; c.gridDimY = c.gridDimZ = 1; c.blockDimX = 128; c.blockDimY = c.blockDimZ = 1;
+    c.sharedMemBytes = kSmem; c.attrs = &a; c.numAttrs = pdl ? 1 : 0;
+    void* args[] = {&b};
+    cuLaunchKernelEx(&c, reinterpret_cast<CUfunction>(smem_fn), args, nullptr);
+  };
+  k_small<<<1, 32>>>(s); k_big<<<1, 32>>>(b); ex_smem(false, 1); drv_smem(false, 1); cudaDeviceSynchronize();
   // A one-node graph of ex_smem(false, 256), launched on the legacy stream as the rows above.
   void* node_args[] = {&b};
   cudaKernelNodeParams np{};
@@ -94,7 +108,9 @@ int main() {
   add("cudaLaunchKernelEx 1 KB + PDL attribute", [&] { ex_big(true); });
   add("cudaLaunchKernelEx 1 KB, 100 KB smem, 256 CTAs, PDL", [&] { ex_smem(true, 256); });
   add("cudaLaunchKernelEx 1 KB, 100 KB smem, 256 CTAs", [&] { ex_smem(false, 256); });
-  add("graph of one: cudaGraphLaunch (as the row above)", [&] { cudaGraphLaunch(exec, 0); });
+  add("driver: cuLaunchKernelEx, as the row above", [&] { drv_smem(false, 256); });
+  add("driver: cuLaunchKernelEx, as the row above, PDL", [&] { drv_smem(true, 256); });
+  add("graph of one: cudaGraphLaunch (as the 6th row)", [&] { cudaGraphLaunch(exec, 0); });
   add("graph of one: node params set, then cudaGraphLaunch", graph_set);
   add("two launches, 1 KB, the second PDL (decode + merge)", [&] { ex_big(false); ex_big(true); });
   add("two launches, 16 B", [&] { k_small<<<128, 128>>>(s); k_small<<<128, 128>>>(s); });
