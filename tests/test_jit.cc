@@ -145,8 +145,9 @@ std::vector<std::string> compile_all(const std::vector<KernelKey>& keys, bool no
 }
 
 // Every built-in decode configuration (head_dim 64/128/256 x fp16/bf16 Q x K/V in Q's dtype, e4m3 or e5m2, at
-// the tile run() launches), for sm_80 and sm_90a (sm_90a converts e4m3 with cvt, sm_80 by bit arithmetic): 36
-// compiles on two threads. ptxas reports no spill.
+// the stages run() launches by default, and the small-batch pipeline's three stages where
+// small_batch_decode_stages names them), for sm_80 and sm_90a (sm_90a converts e4m3 with cvt, sm_80 by bit
+// arithmetic): 44 compiles on two threads. ptxas reports no spill.
 TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
   std::vector<KernelKey> keys;
   for (const char* arch : {"sm_80", "sm_90a"})
@@ -155,7 +156,10 @@ TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
         for (DType kv : {t, DType::kFloat8E4M3, DType::kFloat8E5M2}) {
           AttentionShape shape{32, 8, d, d, t, kv, t};
           keys.push_back(decode_key(shape, arch));
+          if (const int stages = attnforge::cuda::small_batch_decode_stages(d, t, kv))
+            keys.push_back(decode_key(shape, arch, DecodeTile{stages}));
         }
+  EXPECT_EQ(keys.size(), 44u);
   const std::vector<std::string> failures = compile_all(keys, /*no_spills=*/true);
   for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
 }

@@ -37,6 +37,7 @@ struct WarmupCommandOptions {
   bool quiet = false;
   bool bench = false;  // compile and load times, warm-up time, NVRTC vs nvcc kernel speed
   bool quick = false;  // --bench: the quick GPU suite for the speed comparison
+  bool compile_check = false;  // --bench: one cold compile each and the one-model warm-up only (slow machines, CI)
   int32_t iters = 0;   // --bench: timed runs per case (0: 100, 20 with --quick)
   std::string json_path;
 };

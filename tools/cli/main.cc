@@ -69,6 +69,10 @@ int main(int argc, char** argv) {
   warmup->add_flag("--bench", warm.bench, "Measure cold compile, warm cache load, warm-up time and, on a GPU, "
                                           "NVRTC vs nvcc kernel speed (temporary caches; the real one is untouched)");
   warmup->add_flag("--quick", warm.quick, "--bench: the quick GPU suite for the speed comparison");
+  warmup->add_flag("--compile-check", warm.compile_check,
+                   "--bench: one cold compile of each kernel instead of three, and the one-model warm-up without the "
+                   "whole default set's (a check of the command where compiles are slow; its figures are not the "
+                   "targets')");
   warmup->add_option("--iters", warm.iters, "--bench: timed runs per case (default 100, or 20 with --quick)")
       ->check(CLI::Range(1, 1000000));
   warmup->add_option("--json", warm.json_path, "--bench: write the figures to this JSON file");
