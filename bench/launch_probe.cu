@@ -7,7 +7,7 @@
 // parameters unchanged or set anew before each launch (cudaGraphExecKernelNodeSetParams, as an eager run() that
 // launched through a cached graph would have to: every layer's call has its own tensors).
 // "driver": the same launch through cuLaunchKernelEx on the kernel's CUfunction (cudaGetFuncBySymbol, once), which
-// skips the runtime's per-call bookkeeping (ATTNFORGE_LAUNCH=driver in the library).
+// skips the runtime's per-call bookkeeping (measured level with the runtime's launch: perf-notes v35).
 // Build: nvcc -O2 -arch=sm_90a -o launch_probe bench/launch_probe.cu -lcuda (on any machine with nvcc; run it on the
 // GPU machine).
 #include <cuda.h>

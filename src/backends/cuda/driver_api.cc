@@ -5,7 +5,6 @@
 #include <string>
 
 #include "core/check.h"
-#include "core/env.h"
 
 namespace attnforge::cuda {
 
@@ -40,11 +39,6 @@ DriverApi load() {
 const DriverApi& driver() {
   static const DriverApi api = load();
   return api;
-}
-
-bool driver_launches() {
-  static const bool driver = detail::env_choice("ATTNFORGE_LAUNCH", {"runtime", "driver"}, "runtime") == "driver";
-  return driver;
 }
 
 void check_driver(CUresult result, const char* call) {

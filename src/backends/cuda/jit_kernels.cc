@@ -142,14 +142,25 @@ void JitKernels::run(const AttentionParams& p, PlanKind kind, cudaStream_t strea
   const Kernels& k = kernels_for(kind, shape, prefill && p.variant.rope.enabled, prefill ? prefill_plan_rows(p) : 0,
                                  prefill ? 0 : p.kv_stages);
   const LaunchConfig c = launch_config(k.key, p);
-  void* args[] = {const_cast<AttentionParams*>(&p)};  // the driver copies the parameters at the launch
+  AttentionParams params = p;
+  void* args[] = {&params};
+  const DriverApi& d = driver();
   // Programmatic dependents where the GPU has them, as the nvcc build's launches: decode on the kernel before it
   // (decode_programmatic_launch), the merge on the attention kernel.
-  launch_function(k.attention, c.attention, stream, !prefill && p.programmatic_launch && decode_programmatic_launch(),
-                  args);
-  if (c.run_merge)
-    launch_function(p.merge_flags != nullptr ? k.merge_stream : k.merge, c.merge, stream, merge_programmatic_launch(),
-                    args);
+  auto launch = [&](CUfunction f, const KernelDims& dims, bool programmatic) {
+    CUlaunchAttribute attribute{};
+    attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
+    CUlaunchConfig config{};
+    config.gridDimX = dims.grid.x, config.gridDimY = dims.grid.y, config.gridDimZ = dims.grid.z;
+    config.blockDimX = dims.block.x, config.blockDimY = dims.block.y, config.blockDimZ = dims.block.z;
+    config.sharedMemBytes = dims.smem_bytes, config.hStream = static_cast<CUstream>(stream);
+    config.attrs = &attribute;
+    config.numAttrs = programmatic ? 1 : 0;
+    ATTNFORGE_CU_CHECK(d.cuLaunchKernelEx(&config, f, args, nullptr));
+  };
+  launch(k.attention, c.attention, !prefill && p.programmatic_launch && decode_programmatic_launch());
+  if (c.run_merge) launch(p.merge_flags != nullptr ? k.merge_stream : k.merge, c.merge, merge_programmatic_launch());
 }
 
 void JitKernels::run_variant(const AttentionParams& p, const jit::KernelKey& key, const VariantArgs& args,

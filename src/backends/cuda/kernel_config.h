@@ -9,7 +9,6 @@
 
 #include "attnforge/kernel/params.h"
 #include "backends/cuda/cuda_check.h"
-#include "backends/cuda/driver_api.h"
 
 namespace attnforge::cuda {
 
@@ -65,57 +64,12 @@ class PerDevice {
   std::array<std::atomic<int>, 64> values_{};
 };
 
-// How launch_kernel reaches the GPU: through the runtime (cudaLaunchKernelEx, the default) or, with
-// ATTNFORGE_LAUNCH=driver, through the driver (cuLaunchKernelEx on the kernel's CUfunction, looked up once per
-// device), which skips the runtime's own bookkeeping on every call (A/B runs: a plain call pays the host's launch).
-bool driver_launches();
-
-// The CUfunction of the nvcc-compiled `Kernel` in the current device's primary context, looked up once per device.
-template <auto Kernel>
-CUfunction kernel_function() {
-  static std::array<std::atomic<CUfunction>, 64> functions{};
-  int device = 0;
-  ATTNFORGE_CUDA_CHECK(cudaGetDevice(&device));
-  auto lookup = [] {
-    cudaFunction_t f = nullptr;
-    ATTNFORGE_CUDA_CHECK(cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(Kernel)));
-    return reinterpret_cast<CUfunction>(f);
-  };
-  if (device < 0 || device >= static_cast<int>(functions.size())) return lookup();
-  CUfunction f = functions[device].load(std::memory_order_acquire);
-  if (f == nullptr) {
-    f = lookup();
-    functions[device].store(f, std::memory_order_release);
-  }
-  return f;
-}
-
-// Launches the driver's kernel `f` over `dims` on `stream` with the parameters `args` points to, as a programmatic
-// dependent of the kernel before it where `programmatic` (as launch_kernel below). The run-time compiled kernels
-// launch through it, and the nvcc-compiled ones under ATTNFORGE_LAUNCH=driver.
-inline void launch_function(CUfunction f, const KernelDims& dims, cudaStream_t stream, bool programmatic, void** args) {
-  CUlaunchAttribute attribute{};
-  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-  attribute.value.programmaticStreamSerializationAllowed = 1;
-  CUlaunchConfig config{};
-  config.gridDimX = dims.grid.x, config.gridDimY = dims.grid.y, config.gridDimZ = dims.grid.z;
-  config.blockDimX = dims.block.x, config.blockDimY = dims.block.y, config.blockDimZ = dims.block.z;
-  config.sharedMemBytes = dims.smem_bytes, config.hStream = static_cast<CUstream>(stream);
-  config.attrs = &attribute;
-  config.numAttrs = programmatic ? 1 : 0;
-  ATTNFORGE_CU_CHECK(driver().cuLaunchKernelEx(&config, f, args, nullptr));
-}
-
-// Launches `Kernel` over `dims` on `stream`, as a programmatic dependent of the kernel before it on the stream where
+// Launches `kernel` over `dims` on `stream`, as a programmatic dependent of the kernel before it on the stream where
 // `programmatic` (sm_90+: its CTAs may be scheduled during that kernel's tail and must griddepcontrol.wait before
-// reading what it writes), plainly otherwise. `args` are the kernel's parameters, of its parameters' types.
-template <auto Kernel, typename... Args>
-void launch_kernel(const KernelDims& dims, cudaStream_t stream, bool programmatic, const Args&... args) {
-  if (driver_launches()) {
-    void* params[] = {const_cast<void*>(static_cast<const void*>(&args))...};
-    launch_function(kernel_function<Kernel>(), dims, stream, programmatic, params);
-    return;
-  }
+// reading what it writes), plainly otherwise.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), const KernelDims& dims, cudaStream_t stream, bool programmatic,
+                   Args&&... args) {
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
@@ -124,7 +78,7 @@ void launch_kernel(const KernelDims& dims, cudaStream_t stream, bool programmati
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = programmatic ? 1 : 0;
-  ATTNFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, Kernel, args...));
+  ATTNFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 // The current device's compute capability as 10 x major + minor (90: Hopper), asked once per device.

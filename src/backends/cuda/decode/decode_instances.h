@@ -30,7 +30,7 @@ int configure_decode() {
 template <class Tr>
 void launch_decode(const AttentionParams& p, const KernelDims& dims, cudaStream_t stream) {
   configure_decode<Tr>();
-  launch_kernel<decode_kernel<Tr>>(dims, stream, p.programmatic_launch && decode_programmatic_launch(), p);
+  launch_kernel(decode_kernel<Tr>, dims, stream, p.programmatic_launch && decode_programmatic_launch(), p);
 }
 
 // fp8 K/V instantiations (decode_fp8.cu).

@@ -44,10 +44,8 @@ bool merge_programmatic_launch() {
 
 void run_merge(const AttentionParams& p, cudaStream_t stream) {
   if (p.merge_capacity <= 0 || p.merge_counters != nullptr) return;  // none, or merged by the decode kernel
-  if (p.merge_flags != nullptr)
-    launch_kernel<merge_stream_kernel>(merge_dims(p), stream, merge_programmatic_launch(), p);
-  else
-    launch_kernel<merge_kernel>(merge_dims(p), stream, merge_programmatic_launch(), p);
+  launch_kernel(p.merge_flags != nullptr ? merge_stream_kernel : merge_kernel, merge_dims(p), stream,
+                merge_programmatic_launch(), p);
   ATTNFORGE_TL(print_timeline("merge", stream);)  // trace builds: before the attention kernel's lines
 }
 
