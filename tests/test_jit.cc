@@ -48,13 +48,25 @@ using namespace attnforge::jit;
 
 namespace {
 
-// The cheapest key to compile: used by every cache test.
+// The cheapest decode key to compile.
 KernelKey small_key() {
   KernelKey k;
   k.q_dtype = k.kv_dtype = DType::kFloat16;
   k.head_dim_qk = k.head_dim_vo = 64;
   k.arch = "sm_80";
   return k;
+}
+
+// The module every cache test compiles: the small key's name, architecture and warm-up command (what the cache's
+// log lines and errors name) over a kernel that compiles in a fraction of a second. The cache neither knows nor
+// checks what a source holds; the decode kernel, compiled 19 times over in these tests at 5-10 s each, bought them
+// nothing (the JitCompile tests compile it).
+KernelSource small_source() {
+  KernelSource s = small_key().render();
+  s.source = "// attnforge kernel cache test\n"
+             "__global__ void cache_test_kernel(float* x) { x[threadIdx.x] = 2.0f * x[threadIdx.x] + 1.0f; }\n";
+  s.entry_points = {"&cache_test_kernel"};
+  return s;
 }
 
 // A fresh directory under the system temp dir, removed at scope exit.
@@ -111,15 +123,15 @@ void write_all(const fs::path& p, const std::string& bytes) {
   out << bytes;
 }
 
-fs::path entry_path(const fs::path& dir, const KernelKey& key) {
-  const KernelSource src = key.render();
+fs::path entry_path(const fs::path& dir, const KernelSource& src) {
   return dir / entry_file_name(src.name, cache_key(src, compile_options(src.arch, src.default_device)));
 }
 
 // ---- compiling ----
 
 // Compiles every key's rendered source on two threads; returns one message per key, empty when its module names
-// the attention kernel and both merge kernels (after the attention kernel, and streamed beside it) and holds an ELF cubin (and, with `no_spills`, ptxas reported no spill).
+// the attention kernel (and nothing else: the merge kernels are a module of their own) and holds an ELF cubin (and,
+// with `no_spills`, ptxas reported no spill).
 std::vector<std::string> compile_all(const std::vector<KernelKey>& keys, bool no_spills) {
   std::vector<std::string> failures(keys.size());
   std::atomic<size_t> next{0};
@@ -127,9 +139,8 @@ std::vector<std::string> compile_all(const std::vector<KernelKey>& keys, bool no
     for (size_t i = next++; i < keys.size(); i = next++) {
       try {
         const CompiledModule m = compile(keys[i].render());
-        if (m.lowered_names.size() != 3 || m.lowered_names[kAttentionEntry].empty() ||
-            m.lowered_names[kMergeEntry].empty() || m.lowered_names[kMergeStreamEntry].empty())
-          failures[i] = "missing kernel names";
+        if (m.lowered_names.size() != 1 || m.lowered_names[kAttentionEntry].empty())
+          failures[i] = fmt::format("{} kernel names, expected the attention kernel's alone", m.lowered_names.size());
         else if (m.binary.size() < 4 || m.binary.compare(0, 4, "\x7f" "ELF") != 0)
           failures[i] = "not an ELF cubin";
         else if (no_spills && m.log.find("spill") != std::string::npos)
@@ -162,6 +173,32 @@ TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
   EXPECT_EQ(keys.size(), 44u);
   const std::vector<std::string> failures = compile_all(keys, /*no_spills=*/true);
   for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
+}
+
+// The split-KV merge module of each architecture: both merge kernels (after the attention kernel, and streamed
+// beside it), an ELF cubin, no spill; nothing but the merge kernel header in its source.
+TEST(JitCompile, MergeModuleForSm80AndSm90a) {
+  for (const char* arch : {"sm_80", "sm_90a"}) {
+    const KernelSource src = merge_source(arch);
+    EXPECT_EQ(src.name, std::string("merge_") + (arch == std::string("sm_80") ? "sm80" : "sm90a"));
+    ASSERT_EQ(src.entry_points.size(), 2u);
+    EXPECT_EQ(src.entry_points[kMergeEntry], "&attnforge::cuda::merge_kernel");
+    EXPECT_EQ(src.entry_points[kMergeStreamEntry], "&attnforge::cuda::merge_stream_kernel");
+    EXPECT_NE(src.source.find("#include \"backends/cuda/merge/merge_kernel.cuh\""), std::string::npos);
+    EXPECT_EQ(src.source.find("decode_kernel"), std::string::npos) << src.source;
+    const CompiledModule m = compile(src);
+    ASSERT_EQ(m.lowered_names.size(), 2u) << arch;
+    for (const std::string& name : m.lowered_names) EXPECT_FALSE(name.empty()) << arch;
+    ASSERT_GE(m.binary.size(), 4u);
+    EXPECT_EQ(m.binary.compare(0, 4, "\x7f" "ELF"), 0) << arch;
+    EXPECT_EQ(m.log.find("spill"), std::string::npos) << arch << ": " << m.log;
+  }
+  try {
+    merge_source("compute_90");
+    ADD_FAILURE() << "merge_source accepted a virtual architecture";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("arch 'compute_90'"), std::string::npos) << e.what();
+  }
 }
 
 // The wgmma probe kernels (tests/wgmma_probe.h) compile for sm_90a, and their SASS is the warpgroup product the
@@ -528,7 +565,8 @@ TEST(JitKey, NamesAndSourcesAreUniqueAcrossFamilies) {
   EXPECT_EQ(source_by_name.size(), 3u * 3 * 2 * (2 + 2 * 3 + 4) + 3u * 2 * 2 * 4);
 }
 
-// The prefill translation unit: the kernel header and the merge kernel, and the nvcc build's instantiation
+// The prefill translation unit: the kernel header alone (the merge kernels are a module of their own), and the nvcc
+// build's instantiation
 // (PrefillTraits' default stage is one softmax step and its default rows the head dim's, so the nvcc build's
 // PrefillTraits<128, Bf16, true> is this type).
 TEST(JitKey, PrefillSourceInstantiatesTheTraitsOfTheKey) {
@@ -536,13 +574,11 @@ TEST(JitKey, PrefillSourceInstantiatesTheTraitsOfTheKey) {
   const KernelSource src = prefill_key(bf16, "sm_90a", true).render();
   EXPECT_EQ(src.name, "prefill_d128_bf16_rope_sm90a");
   EXPECT_EQ(src.arch, "sm_90a");
-  ASSERT_EQ(src.entry_points.size(), 3u);
+  ASSERT_EQ(src.entry_points.size(), 1u);
   EXPECT_EQ(src.entry_points[kAttentionEntry],
             "&attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<128, attnforge::cuda::Bf16, true, 32, 128>>");
-  EXPECT_EQ(src.entry_points[kMergeEntry], "&attnforge::cuda::merge_kernel");
-  EXPECT_EQ(src.entry_points[kMergeStreamEntry], "&attnforge::cuda::merge_stream_kernel");
   EXPECT_NE(src.source.find("#include \"backends/cuda/prefill/prefill_kernel.cuh\""), std::string::npos) << src.source;
-  EXPECT_NE(src.source.find("#include \"backends/cuda/merge/merge_kernel.cuh\""), std::string::npos) << src.source;
+  EXPECT_EQ(src.source.find("merge_kernel"), std::string::npos) << src.source;
   EXPECT_NE(src.source.find("template __global__ void attnforge::cuda::prefill_kernel<attnforge::cuda::PrefillTraits<"
                             "128, attnforge::cuda::Bf16, true, 32, 128>>(const attnforge::AttentionParams);"),
             std::string::npos)
@@ -622,7 +658,7 @@ TEST(JitCache, CompilesOncePublishesAndLoads) {
   const fs::path dir = tmp.path / "nested" / "cache";
   Logged log;
   KernelCache cache;
-  const Lookup first = cache.get(small_key().render(), log.settings(dir));
+  const Lookup first = cache.get(small_source(), log.settings(dir));
   EXPECT_EQ(first.origin, Origin::kCompiled);
   EXPECT_TRUE(log.contains("compiling decode_d64_fp16_st2_sm80 for sm_80 (cache key " + first.key.hex()));
   EXPECT_TRUE(log.contains("compiled decode_d64_fp16_st2_sm80 in "));
@@ -633,11 +669,11 @@ TEST(JitCache, CompilesOncePublishesAndLoads) {
   EXPECT_EQ(st.st_mode & 0777, 0700u);
   const std::vector<fs::path> files = files_in(dir);
   ASSERT_EQ(files.size(), 1u);
-  EXPECT_EQ(files[0], entry_path(dir, small_key()));
+  EXPECT_EQ(files[0], entry_path(dir, small_source()));
 
-  EXPECT_EQ(cache.get(small_key().render(), log.settings(dir)).origin, Origin::kMemory);
+  EXPECT_EQ(cache.get(small_source(), log.settings(dir)).origin, Origin::kMemory);
   KernelCache fresh;  // another process, as far as memory goes
-  const Lookup again = fresh.get(small_key().render(), log.settings(dir));
+  const Lookup again = fresh.get(small_source(), log.settings(dir));
   EXPECT_EQ(again.origin, Origin::kDisk);
   EXPECT_EQ(again.module->binary, first.module->binary);
   EXPECT_EQ(again.module->lowered_names, first.module->lowered_names);
@@ -647,21 +683,21 @@ TEST(JitCache, CompilesOncePublishesAndLoads) {
 TEST(JitCache, CorruptedAndTruncatedEntriesAreRecompiled) {
   TempDir tmp;
   Logged log;
-  const Lookup first = KernelCache().get(small_key().render(), log.settings(tmp.path));
-  const fs::path entry = entry_path(tmp.path, small_key());
+  const Lookup first = KernelCache().get(small_source(), log.settings(tmp.path));
+  const fs::path entry = entry_path(tmp.path, small_source());
   const std::string good = read_all(entry);
 
   std::string corrupted = good;
   corrupted[corrupted.size() / 2] ^= 0x01;
   write_all(entry, corrupted);
-  const Lookup after_corruption = KernelCache().get(small_key().render(), log.settings(tmp.path));
+  const Lookup after_corruption = KernelCache().get(small_source(), log.settings(tmp.path));
   EXPECT_EQ(after_corruption.origin, Origin::kCompiled);
   EXPECT_TRUE(log.contains("is unusable (the payload does not match its hash"));
   EXPECT_EQ(after_corruption.module->binary, first.module->binary);
   EXPECT_EQ(read_all(entry), good) << "the recompiled entry replaces the damaged one";
 
   write_all(entry, good.substr(0, good.size() / 2));
-  const Lookup after_truncation = KernelCache().get(small_key().render(), log.settings(tmp.path));
+  const Lookup after_truncation = KernelCache().get(small_source(), log.settings(tmp.path));
   EXPECT_EQ(after_truncation.origin, Origin::kCompiled);
   EXPECT_TRUE(log.contains("truncated?"));
   EXPECT_EQ(read_all(entry), good);
@@ -671,17 +707,17 @@ TEST(JitCache, CorruptedAndTruncatedEntriesAreRecompiled) {
 TEST(JitCache, ReadOnlyModeLoadsButNeverWrites) {
   TempDir tmp;
   Logged log;
-  const Lookup compiled = KernelCache().get(small_key().render(), log.settings(tmp.path, CacheMode::kReadOnly));
+  const Lookup compiled = KernelCache().get(small_source(), log.settings(tmp.path, CacheMode::kReadOnly));
   EXPECT_EQ(compiled.origin, Origin::kCompiled);
   EXPECT_TRUE(files_in(tmp.path).empty()) << "read-only mode wrote to the cache";
   EXPECT_TRUE(log.contains("kept in memory (cache mode read-only)"));
 
   const fs::path missing = tmp.path / "absent";
-  KernelCache().get(small_key().render(), log.settings(missing, CacheMode::kReadOnly));
+  KernelCache().get(small_source(), log.settings(missing, CacheMode::kReadOnly));
   EXPECT_FALSE(fs::exists(missing)) << "read-only mode created the directory";
 
-  KernelCache().get(small_key().render(), log.settings(tmp.path, CacheMode::kOn));
-  EXPECT_EQ(KernelCache().get(small_key().render(), log.settings(tmp.path, CacheMode::kReadOnly)).origin,
+  KernelCache().get(small_source(), log.settings(tmp.path, CacheMode::kOn));
+  EXPECT_EQ(KernelCache().get(small_source(), log.settings(tmp.path, CacheMode::kReadOnly)).origin,
             Origin::kDisk);
 }
 
@@ -689,7 +725,7 @@ TEST(JitCache, ReadOnlyModeLoadsButNeverWrites) {
 TEST(JitCache, OffModeNamesTheMissingKeyAndHowToWarmIt) {
   TempDir tmp;
   Logged log;
-  const KernelSource src = small_key().render();
+  const KernelSource src = small_source();
   try {
     KernelCache().get(src, log.settings(tmp.path, CacheMode::kOff));
     ADD_FAILURE() << "off mode compiled";
@@ -711,14 +747,14 @@ TEST(JitCache, DirectoriesAndEntriesOthersCanWriteAreRefused) {
   TempDir tmp;
   Logged log;
   const fs::path dir = tmp.path / "cache";
-  KernelCache().get(small_key().render(), log.settings(dir));
-  const fs::path entry = entry_path(dir, small_key());
+  KernelCache().get(small_source(), log.settings(dir));
+  const fs::path entry = entry_path(dir, small_source());
   const std::string good = read_all(entry);
 
   for (mode_t mode : {0770, 0707, 0777}) {
     ASSERT_EQ(0, chmod(dir.c_str(), mode));
     Logged l;
-    const Lookup r = KernelCache().get(small_key().render(), l.settings(dir));
+    const Lookup r = KernelCache().get(small_source(), l.settings(dir));
     EXPECT_EQ(r.origin, Origin::kCompiled) << std::oct << mode << ": the entry was loaded";
     EXPECT_TRUE(l.contains("not using the kernel cache " + dir.string() + ": mode")) << std::oct << mode;
     EXPECT_EQ(files_in(dir).size(), 1u) << "something was written to a refused directory";
@@ -727,7 +763,7 @@ TEST(JitCache, DirectoriesAndEntriesOthersCanWriteAreRefused) {
 
   ASSERT_EQ(0, chmod(entry.c_str(), 0620));
   Logged l;
-  EXPECT_EQ(KernelCache().get(small_key().render(), l.settings(dir)).origin, Origin::kCompiled);
+  EXPECT_EQ(KernelCache().get(small_source(), l.settings(dir)).origin, Origin::kCompiled);
   EXPECT_TRUE(l.contains("refusing cache entry " + entry.string() + ": mode 0620 lets its group write it"));
   struct stat st;
   ASSERT_EQ(0, stat(entry.c_str(), &st));
@@ -737,7 +773,7 @@ TEST(JitCache, DirectoriesAndEntriesOthersCanWriteAreRefused) {
   if (geteuid() == 0) {
     ASSERT_EQ(0, chown(dir.c_str(), 65534, 65534));
     Logged o;
-    EXPECT_EQ(KernelCache().get(small_key().render(), o.settings(dir)).origin, Origin::kCompiled);
+    EXPECT_EQ(KernelCache().get(small_source(), o.settings(dir)).origin, Origin::kCompiled);
     EXPECT_TRUE(o.contains("owned by uid 65534"));
   }
 }
@@ -750,7 +786,7 @@ TEST(JitCache, ConcurrentThreadsCompileOnce) {
   std::vector<Lookup> results(4);
   std::vector<std::thread> threads;
   for (size_t i = 0; i < results.size(); ++i)
-    threads.emplace_back([&, i] { results[i] = cache.get(small_key().render(), log.settings(tmp.path)); });
+    threads.emplace_back([&, i] { results[i] = cache.get(small_source(), log.settings(tmp.path)); });
   for (std::thread& t : threads) t.join();
   int compiled = 0;
   for (const Lookup& r : results) {
@@ -792,9 +828,9 @@ TEST(JitCache, ConcurrentProcessesLeaveOneValidEntry) {
   }
   const std::vector<fs::path> files = files_in(dir);
   ASSERT_EQ(files.size(), 1u) << "expected exactly one entry and no temporary file";
-  EXPECT_EQ(files[0], entry_path(dir, small_key()));
+  EXPECT_EQ(files[0], entry_path(dir, small_source()));
   Logged log;
-  EXPECT_EQ(KernelCache().get(small_key().render(), log.settings(dir)).origin, Origin::kDisk);
+  EXPECT_EQ(KernelCache().get(small_source(), log.settings(dir)).origin, Origin::kDisk);
 }
 
 // The child of ConcurrentProcessesLeaveOneValidEntry; does nothing when run on its own.
@@ -802,7 +838,7 @@ TEST(JitCacheChild, CompileSmallKey) {
   const char* dir = std::getenv("ATTNFORGE_TEST_CHILD_DIR");
   const char* go = std::getenv("ATTNFORGE_TEST_CHILD_GO");
   if (!dir || !go) return;
-  const KernelSource src = small_key().render();  // everything but the compile happens before the start
+  const KernelSource src = small_source();  // everything but the compile happens before the start
   while (!fs::exists(go)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   CacheSettings s;
   s.dir = dir;
@@ -1011,27 +1047,28 @@ TEST(JitWarmup, DedupesConfigurationsAndReportsWhatItSkips) {
   options.threads = 2;
   const WarmupReport first = warmup(configs, options);
   ASSERT_TRUE(first.ok());
-  // prefill bf16 in both row tiles; decode bf16, fp16, and bf16 with e4m3 K/V
-  ASSERT_EQ(first.kernels.size(), 5u);
+  // prefill bf16 in both row tiles; the merge module; decode bf16, fp16, and bf16 with e4m3 K/V
+  ASSERT_EQ(first.kernels.size(), 6u);
   EXPECT_EQ(first.kernels[0].name, "prefill_d64_bf16_sm80");
   EXPECT_EQ(first.kernels[1].name, "prefill_d64_bf16_rows64_sm80");
-  EXPECT_EQ(first.kernels[2].name, "decode_d64_bf16_st2_sm80");
-  EXPECT_EQ(first.kernels[3].name, "decode_d64_fp16_st2_sm80");
-  EXPECT_EQ(first.kernels[4].name, "decode_d64_bf16_e4m3_st4_sm80");
+  EXPECT_EQ(first.kernels[2].name, "merge_sm80");
+  EXPECT_EQ(first.kernels[3].name, "decode_d64_bf16_st2_sm80");
+  EXPECT_EQ(first.kernels[4].name, "decode_d64_fp16_st2_sm80");
+  EXPECT_EQ(first.kernels[5].name, "decode_d64_bf16_e4m3_st4_sm80");
   for (const WarmupReport::Kernel& k : first.kernels) EXPECT_EQ(k.origin, "compiled") << k.name;
   ASSERT_EQ(first.skipped.size(), 1u);
   EXPECT_NE(first.skipped[0].find("fp8 K/V is not built for CUDA prefill"), std::string::npos) << first.skipped[0];
-  EXPECT_EQ(files_in(tmp.path).size(), 5u);
+  EXPECT_EQ(files_in(tmp.path).size(), 6u);
   const WarmupReport second = warmup(configs, options);
   for (const WarmupReport::Kernel& k : second.kernels) EXPECT_EQ(k.origin, "memory") << k.name;
   set_log_sink(nullptr);
   set_cache_dir("");
-  // One line before and one after each of the five compiles (and NVRTC's warnings, such as ptxas's spill report
+  // One line before and one after each of the six compiles (and NVRTC's warnings, such as ptxas's spill report
   // for the prefill kernel, on lines of their own).
   int compile_lines = 0;
   for (const std::string& l : lines)
     compile_lines += l.find("attnforge jit: compiling ") == 0 || l.find("attnforge jit: compiled ") == 0;
-  EXPECT_EQ(compile_lines, 10) << fmt::format("{}", fmt::join(lines, "\n"));
+  EXPECT_EQ(compile_lines, 12) << fmt::format("{}", fmt::join(lines, "\n"));
 }
 
 TEST(JitSettings, ModesParseAndBadValuesAreNamed) {

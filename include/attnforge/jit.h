@@ -56,7 +56,9 @@ struct WarmupReport {
     double seconds = 0;   // time to get it (compile, or load and verify)
     std::string error;    // empty unless it failed
   };
-  std::vector<Kernel> kernels;          // one per distinct kernel the configurations need
+  // One per distinct kernel the configurations need, and the split-KV merge module ("merge_sm90a") of each
+  // architecture they need any for.
+  std::vector<Kernel> kernels;
   std::vector<std::string> skipped;     // configurations no run-time kernel serves, with the reason
   double seconds = 0;                   // wall time of the whole warm-up
   int32_t threads = 0;

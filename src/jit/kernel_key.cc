@@ -135,7 +135,7 @@ KernelSource KernelKey::render() const {
   const std::string kernel =
       custom ? fmt::format("attnforge::cuda::{}_variant_kernel<{}, {}>", to_string(family), traits, variant)
              : fmt::format("attnforge::cuda::{}_kernel<{}>", to_string(family), traits);
-  s.entry_points = {"&" + kernel, "&attnforge::cuda::merge_kernel", "&attnforge::cuda::merge_stream_kernel"};
+  s.entry_points = {"&" + kernel};
   const std::string tile = prefill
                                ? fmt::format("rope {}, stage tokens {}, rows {}", rope ? "on" : "off",
                                              prefill_stage_tokens(), prefill_rows())
@@ -143,12 +143,29 @@ KernelSource KernelKey::render() const {
   s.source = fmt::format(
       "// attnforge run-time kernel {}: family {}, variant {}, q {}, kv {}, head_dim {}/{}, {}, {}\n"
       "#include \"backends/cuda/{}/{}_kernel.cuh\"\n"
-      "#include \"backends/cuda/merge/merge_kernel.cuh\"\n"
       "{}"
       "template __global__ void {}(const attnforge::AttentionParams{});\n",
       s.name, to_string(family), variant, to_string(q_dtype), to_string(kv_dtype), head_dim_qk, head_dim_vo, tile,
       arch, to_string(family), to_string(family), custom ? "\n" + variant_source + "\n\n" : "", kernel,
       custom ? ", const attnforge::VariantArgs" : "");
+  return s;
+}
+
+KernelSource merge_source(const std::string& arch) {
+  if (arch.rfind("sm_", 0) != 0)
+    detail::fail(ErrorKind::kUnsupported, "arch '{}': expected a real architecture such as sm_80 or sm_90a", arch);
+  std::string arch_short = arch;
+  arch_short.erase(2, 1);
+  KernelSource s;
+  s.name = "merge_" + arch_short;
+  s.arch = arch;
+  s.warmup_command = fmt::format("attnforge warmup --arch {} (any configuration's warm-up compiles it)", arch);
+  s.entry_points = {"&attnforge::cuda::merge_kernel", "&attnforge::cuda::merge_stream_kernel"};
+  s.source = fmt::format(
+      "// attnforge run-time kernel {}: the split-KV merge kernels (after the attention kernel, and streamed beside "
+      "it), {}\n"
+      "#include \"backends/cuda/merge/merge_kernel.cuh\"\n",
+      s.name, arch);
   return s;
 }
 

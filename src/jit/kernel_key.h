@@ -14,8 +14,8 @@
 namespace attnforge::jit {
 
 enum class KernelFamily : int32_t {
-  kDecode = 0,   // batch decode (backends/cuda/decode/decode_kernel.cuh) and the split-KV merge kernel
-  kPrefill = 1,  // batch prefill and append (backends/cuda/prefill/prefill_kernel.cuh) and the split-KV merge kernel
+  kDecode = 0,   // batch decode (backends/cuda/decode/decode_kernel.cuh)
+  kPrefill = 1,  // batch prefill and append (backends/cuda/prefill/prefill_kernel.cuh)
 };
 const char* to_string(KernelFamily family);  // "decode", "prefill"
 
@@ -71,7 +71,8 @@ struct KernelKey {
   std::string name() const;
   // Throws kUnsupported naming the field, its value and what is accepted.
   void validate() const;
-  // The translation unit; entry point kAttentionEntry is the decode or prefill kernel, kMergeEntry the merge kernel.
+  // The translation unit; its one entry point (kAttentionEntry) is the decode or prefill kernel. The split-KV merge
+  // kernels both families launch are one module of their own per architecture (merge_source).
   KernelSource render() const;
   // K/V tokens per cp.async stage of a prefill key: PrefillTraits' kStageTokens (stage_steps softmax steps).
   int32_t prefill_stage_tokens() const;
@@ -81,10 +82,16 @@ struct KernelKey {
   std::string warmup_command() const;
 };
 
-// Entry points of a module of either family.
+// The entry point of a decode or prefill module.
 constexpr int kAttentionEntry = 0;
-constexpr int kMergeEntry = 1;
-constexpr int kMergeStreamEntry = 2;  // the streamed merge (merge_stream_kernel)
+
+// The split-KV merge kernels of `arch` (backends/cuda/merge/merge_kernel.cuh), which run() launches after or beside
+// either family's kernel: one module per architecture, "merge_sm90a", compiled once rather than in every decode and
+// prefill module (it was half of each one's compile time). Throws kUnsupported for an arch not "sm_...".
+KernelSource merge_source(const std::string& arch);
+// Its entry points.
+constexpr int kMergeEntry = 0;
+constexpr int kMergeStreamEntry = 1;  // the streamed merge (merge_stream_kernel)
 
 // The decode key for an attention shape on `arch` (with the tile run() launches, or `tile`); throws kUnsupported
 // when no decode kernel serves it.

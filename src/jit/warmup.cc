@@ -117,21 +117,32 @@ WarmupReport warmup_with(KernelCache& cache, const CacheSettings& settings, cons
     }
   }
 
-  // Prefill compiles take several times as long as decode ones: they start first, and the short ones fill the
-  // tail, so the wall time stays near the sum over threads.
+  // Prefill compiles take the longest: they start first, then the merge module of each architecture with a kernel
+  // to warm (every decode and prefill kernel launches its split-KV merge kernels), and the short decode ones fill
+  // the tail, so the wall time stays near the sum over threads.
   std::stable_partition(keys.begin(), keys.end(),
                         [](const KernelKey& k) { return k.family == KernelFamily::kPrefill; });
+  std::vector<KernelSource> sources;
+  for (const KernelKey& k : keys) sources.push_back(k.render());
+  const auto first_decode = std::find_if(keys.begin(), keys.end(),
+                                         [](const KernelKey& k) { return k.family != KernelFamily::kPrefill; });
+  std::vector<KernelSource> merges;
+  for (const std::string& arch : archs)
+    if (std::any_of(keys.begin(), keys.end(), [&](const KernelKey& k) { return k.arch == arch; }))
+      merges.push_back(merge_source(arch));
+  sources.insert(sources.begin() + (first_decode - keys.begin()), merges.begin(), merges.end());
 
   const int32_t hw = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
-  report.threads = std::min<int32_t>(options.threads > 0 ? options.threads : hw, std::max<int32_t>(1, keys.size()));
-  report.kernels.resize(keys.size());
+  report.threads = std::min<int32_t>(options.threads > 0 ? options.threads : hw,
+                                     static_cast<int32_t>(std::max<size_t>(1, sources.size())));
+  report.kernels.resize(sources.size());
   std::atomic<size_t> next{0};
   auto worker = [&] {
-    for (size_t i = next++; i < keys.size(); i = next++) {
+    for (size_t i = next++; i < sources.size(); i = next++) {
       WarmupReport::Kernel& k = report.kernels[i];
-      k.name = keys[i].name();
+      k.name = sources[i].name;
       try {
-        const Lookup l = cache.get(keys[i].render(), settings);
+        const Lookup l = cache.get(sources[i], settings);
         k.key = l.key.hex();
         k.origin = to_string(l.origin);
         k.seconds = l.seconds;

@@ -1,6 +1,7 @@
 // `attnforge warmup --bench`: the run-time compiler's figures, each next to its target (issue 5):
-//   cold compile of one decode specialization (<= 3 s) and of one prefill specialization (<= 8 s), load from the
-//   disk cache (<= 10 ms), warm-up of the default set for one model shape (<= 20 s on every core), and on a GPU the
+//   cold compile of one decode specialization (<= 3 s) and of one prefill specialization (<= 8 s), and of the
+//   split-KV merge module both launch (one per architecture, compiled beside the first kernel a process loads;
+//   held to the decode target), load from the disk cache (<= 10 ms), warm-up of the default set for one model shape (<= 20 s on every core), and on a GPU the
 //   NVRTC-compiled kernels' speed against the nvcc-compiled ones on the GPU suite's decode and prefill shapes
 //   (within 3%).
 // Every compile goes to a fresh temporary cache (and a fresh memory cache), so nothing is warm by accident and the
@@ -95,8 +96,10 @@ int run_warmup_bench(const WarmupCommandOptions& o) {
   const AttentionShape shape{32, 8, 128, 128, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16};
   const jit::KernelSource source = jit::decode_key(shape, arch).render();
   const jit::KernelSource prefill_source = jit::prefill_key(shape, arch, /*rope=*/false).render();
+  const jit::KernelSource merge_source = jit::merge_source(arch);
   cold_compile(source, 3, "cold_compile_s");
   cold_compile(prefill_source, 8, "cold_compile_prefill_s");
+  cold_compile(merge_source, 3, "cold_compile_merge_s");
 
   // 2. Load from the disk cache: a fresh memory cache each time (read, check header and payload hash), then, on a
   // GPU, the module load and function lookups that make it launchable.
@@ -133,6 +136,7 @@ int run_warmup_bench(const WarmupCommandOptions& o) {
   };
   disk_load(source, "");
   disk_load(prefill_source, "prefill_");
+  disk_load(merge_source, "merge_");
 
   // 3. Warm-up, cold: the default set for one model shape (Llama 3 8B: 32/8 heads, head_dim 128; decode, prefill
   // with and without RoPE), then the whole default set, each into a fresh cache with every core.

@@ -52,27 +52,43 @@ jit::KernelKey JitKernels::key_for(PlanKind kind, const AttentionShape& shape, b
 
 const JitKernels::Kernels& JitKernels::kernels(const jit::KernelKey& key) {
   const std::string name = key.name();
+  // Built-in keys launch the merge kernels after or beside theirs; a custom variant's plans never split KV.
+  bool need_merge = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (auto it = loaded_.find(name); it != loaded_.end()) return it->second;
+    need_merge = key.variant == "builtin" && merge_ == nullptr;
   }
   // Outside the lock: a compile takes seconds and other keys need not wait for it (the cache compiles each key
-  // once however many threads ask).
+  // once however many threads ask). The merge module, the first time, compiles on a thread of its own meanwhile.
+  std::future<std::shared_ptr<const jit::CompiledModule>> merge_lookup;
+  if (need_merge)
+    merge_lookup = std::async(std::launch::async, [this] {
+      return jit::process_cache().get(jit::merge_source(arch_), jit::current_settings()).module;
+    });
   const jit::Lookup l = jit::process_cache().get(key.render(), jit::current_settings());
+  const std::shared_ptr<const jit::CompiledModule> merge_module = need_merge ? merge_lookup.get() : nullptr;
   std::lock_guard<std::mutex> lock(mutex_);
   if (auto it = loaded_.find(name); it != loaded_.end()) return it->second;
-  // The module goes into the device's primary context, the one the runtime API launches the nvcc kernels in
+  // The modules go into the device's primary context, the one the runtime API launches the nvcc kernels in
   // (cudaSetDevice creates it if nothing has yet). The caller restores its current device.
   ATTNFORGE_CUDA_CHECK(cudaSetDevice(device_));
   const DriverApi& d = driver();
+  if (merge_module != nullptr && merge_ == nullptr) {
+    CUmodule module;
+    ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, merge_module->binary.data()));
+    const std::vector<std::string>& names = merge_module->lowered_names;
+    CUfunction merge, merge_stream;
+    ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&merge, module, names[jit::kMergeEntry].c_str()));
+    ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&merge_stream, module, names[jit::kMergeStreamEntry].c_str()));
+    merge_ = merge, merge_stream_ = merge_stream;
+  }
   CUmodule module;
   ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, l.module->binary.data()));
   Kernels k;
   k.key = key;
-  const std::vector<std::string>& names = l.module->lowered_names;
-  ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&k.attention, module, names[jit::kAttentionEntry].c_str()));
-  ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&k.merge, module, names[jit::kMergeEntry].c_str()));
-  ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&k.merge_stream, module, names[jit::kMergeStreamEntry].c_str()));
+  ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&k.attention, module, l.module->lowered_names[jit::kAttentionEntry].c_str()));
+  if (key.variant == "builtin") k.merge = merge_, k.merge_stream = merge_stream_;
   // The attributes configure_kernel() gives the nvcc instantiations.
   const KernelAttributes a = attributes(key);
   ATTNFORGE_CU_CHECK(

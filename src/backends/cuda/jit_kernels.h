@@ -1,7 +1,7 @@
-// The NVRTC-compiled kernels of one device, both families (decode, prefill) and the merge kernel each module
-// carries (launched after either where the plan splits KV): keys from params, modules from
-// the kernel cache, loaded through the driver API once per key, given the attributes and launched with the launch
-// configuration the nvcc build uses (decode.h, prefill.h).
+// The NVRTC-compiled kernels of one device, both families (decode, prefill) and the merge kernels (one module per
+// architecture, jit::merge_source; launched after or beside either where the plan splits KV): keys from params,
+// modules from the kernel cache, loaded through the driver API once per key, given the attributes and launched
+// with the launch configuration the nvcc build uses (decode.h, prefill.h).
 #pragma once
 
 #include <cuda.h>
@@ -27,12 +27,13 @@ class JitKernels {
 
   struct Kernels {
     CUfunction attention = nullptr;  // the decode or prefill kernel
-    CUfunction merge = nullptr;
+    CUfunction merge = nullptr;         // from the merge module (built-in keys; null for a custom variant's)
     CUfunction merge_stream = nullptr;  // streamed merges (AttentionParams::merge_flags)
     int ctas_per_sm = 0;
     jit::KernelKey key;
   };
-  // Compiles or loads the module of `key` and loads it on the device (once; later calls return the functions).
+  // Compiles or loads the module of `key` and loads it on the device (once; later calls return the functions); the
+  // first built-in key also loads the merge module, compiled beside it.
   const Kernels& kernels(const jit::KernelKey& key);
   // The key run() uses: the family of the plan, the default tiles (what the nvcc build instantiates); a prefill
   // key with `rows` packed query rows per CTA (0: the head dim's; see prefill_plan_rows).
@@ -65,6 +66,7 @@ class JitKernels {
   std::string arch_;
   std::mutex mutex_;
   std::map<std::string, Kernels> loaded_;  // by kernel name (unique per key)
+  CUfunction merge_ = nullptr, merge_stream_ = nullptr;  // the merge module's, once a built-in key has loaded it
   std::array<std::atomic<const Kernels*>, 48> by_shape_{};  // 8 variants x 3 head dims x 2 Q dtypes
 };
 
