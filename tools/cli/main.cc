@@ -2,12 +2,17 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <cstdio>
 #include <exception>
 
 #include "commands.h"
 
 int main(int argc, char** argv) {
   using namespace attnforge::cli;
+  // Every line out as it is printed, to a file or a pipe too: a benchmark cut short by a time limit keeps the
+  // figures it printed (a `warmup --bench` killed on the lent H100, session 40, lost its compile figures, while
+  // the log lines on stderr survived).
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   CLI::App app{"attnforge: attention engine for LLM inference serving"};
   app.require_subcommand(1);
 
