@@ -23,6 +23,14 @@
 //            another whichever of them the memory system favours. It says what the static split's end spread costs
 //            (the states are still one a CTA: a kernel built this way would need states per fixed piece of KV, not
 //            per CTA, to stay deterministic).
+//   fixedN   a merging CTA fixed in advance (split 0 of each KV head) with a shorter piece, N eighths of the
+//            others' 512 KB (the head's 16 MB in 2048 pieces of 8 KB, 64 a CTA; the 64 - N it gives up go one each to
+//            splits 1 .. 64 - N, each 8 KB or half a page of 16 tokens at head_dim 128 longer): it streams
+//            its piece, then waits for the others' states as they land (each CTA releases a flag of its own once its
+//            state is written; every warp of the merger polls the 31 flags a lane each and copies its row's slices
+//            of each landed state into shared memory) and folds them in split order as soon as the states before
+//            them are in, so that after the last state lands one load and the folds left remain, where global
+//            loads and folds all 32 after the last CTA's count. fixed64 is the same wait without the shorter piece.
 // The rows without a merge also print the CTAs' end times after the first CTA's start (p10, p50, p90, max; the
 // medians over the timed launches).
 // Each row: the events' median around one plain call, the kernel's median span (first CTA's start to the last
@@ -55,6 +63,7 @@ struct Params {
   float* partial_lse;          // [kCtas][kRows]
   int* counters;               // global: one a KV head; clusters: one a (KV head, slice)
   int* tile_counters;          // dynamic: the next tile of each KV head, past the tiles every CTA starts on
+  int* flags;                  // fixedN: [kCtas] a written state (1), put back to 0 by the head's merger
   unsigned long long* ends;    // [kCtas] each CTA's end (global ns)
   float4* out;                 // [kHeads][kRows * kQuads], normalized
   unsigned seed;               // varies the states by call
@@ -76,13 +85,29 @@ __device__ __forceinline__ void copy_tile(uint4* stages, const uint4* base, int 
   asm volatile("cp.async.commit_group;");
 }
 
-// The CTA's 512 KB of K/V through three 32 KB cp.async stages; returns a word of what landed.
-__device__ uint32_t stream_tiles(const Params& p) {
+// Pieces [first, first + pieces) of 8 KB of the head's 16 MB through the same three 32 KB stages (the last tile
+// partial where the pieces end inside one); returns a word of what landed.
+constexpr int kPieceBytes = 8192, kPieceElems = kPieceBytes / 16;
+__device__ uint32_t stream_range(const Params& p, int head, int first, int pieces) {
   extern __shared__ __align__(16) uint4 stages[];
-  const long long chunk = kBytes / 16 / kCtas;  // uint4s a CTA
-  const uint4* base = p.src + blockIdx.x * chunk;
-  const int tiles = static_cast<int>(chunk / (kStageBytes / 16));
-  auto issue = [&](int t) { copy_tile(stages, base, t % kStages, t, tiles); };
+  const uint4* base = p.src + static_cast<long long>(head) * (kBytes / 16 / kHeads) +
+                      static_cast<long long>(first) * kPieceElems;
+  const int elems = pieces * kPieceElems, tiles = (elems + kStageBytes / 16 - 1) / (kStageBytes / 16);
+  auto issue = [&](int t) {
+    constexpr int kPer = kStageBytes / 16 / kThreads;
+    if (t < tiles) {
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int e = k * kThreads + threadIdx.x;
+        if (t * (kStageBytes / 16) + e >= elems) break;
+        const uint32_t dst =
+            static_cast<uint32_t>(__cvta_generic_to_shared(stages + (t % kStages) * (kStageBytes / 16) + e));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
+                     "l"(base + static_cast<long long>(t) * (kStageBytes / 16) + e));
+      }
+    }
+    asm volatile("cp.async.commit_group;");
+  };
   for (int t = 0; t < kStages - 1; ++t) issue(t);
   uint32_t acc = 0;
   for (int t = 0; t < tiles; ++t) {
@@ -94,6 +119,12 @@ __device__ uint32_t stream_tiles(const Params& p) {
   asm volatile("cp.async.wait_group 0;");
   __syncthreads();  // the stages are free for the merge
   return acc;
+}
+
+// The CTA's 512 KB of K/V (64 pieces: split s of head h streams pieces 64 s .. 64 s + 63 of the head's).
+__device__ uint32_t stream_tiles(const Params& p) {
+  constexpr int kEven = static_cast<int>(kBytes / kCtas / kPieceBytes);
+  return stream_range(p, blockIdx.x / kSplits, (blockIdx.x % kSplits) * kEven, kEven);
 }
 
 // dynamic: the head's 16 MB as 512 tiles of 32 KB; CTA `split` starts on tiles 2 split and 2 split + 1, then takes
@@ -235,6 +266,71 @@ __global__ void __launch_bounds__(kThreads) tail_global(const Params p) {
   stamp_end(p.stamps);
 }
 
+// fixedN: split 0 of each head merges, on kMergerPieces pieces of 8 KB (see the top of the file).
+template <int kMergerPieces>
+__global__ void __launch_bounds__(kThreads) tail_fixed(const Params p) {
+  constexpr int kPieces = static_cast<int>(kBytes / kHeads / kPieceBytes), kEven = kPieces / kSplits;  // 2048, 64
+  constexpr int kGiven = kEven - kMergerPieces;  // pieces the merger gives up: one each to splits 1 .. kGiven
+  static_assert(kMergerPieces >= 1 && kMergerPieces <= kEven && kGiven < kSplits);
+  stamp_start(p.stamps, now_ns());
+  const int head = blockIdx.x / kSplits, split = blockIdx.x % kSplits;
+  const int pieces = split == 0 ? kMergerPieces : kEven + (split <= kGiven ? 1 : 0);
+  const int first = split == 0 ? 0 : kMergerPieces + (split - 1) * kEven + min(split - 1, kGiven);
+  const uint32_t acc = stream_range(p, head, first, pieces);
+  float4 o;
+  float lse;
+  make_state(p, split, acc, &o, &lse);
+  if (split != 0) {
+    p.partial_o[blockIdx.x * kThreads + threadIdx.x] = o;
+    if (threadIdx.x % kQuads == 0) p.partial_lse[blockIdx.x * kRows + threadIdx.x / kQuads] = lse;
+    __syncthreads();  // every thread's state is written before thread 0's release (cumulativity)
+    if (threadIdx.x == 0)
+      asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p.flags + blockIdx.x), "r"(1) : "memory");
+    stamp_end(p.stamps);
+    return;
+  }
+  // The merger: warp w holds row w (kQuads = 32 threads a row), lane q its dims 4q .. 4q + 3.
+  extern __shared__ __align__(16) uint4 stages[];
+  float4* s_o = reinterpret_cast<float4*>(stages);                      // [kSplits][kThreads]
+  float* s_lse = reinterpret_cast<float*>(s_o + kSplits * kThreads);   // [kSplits][kThreads]
+  const int lane = threadIdx.x % 32;
+  const float4* src_o = p.partial_o + static_cast<long long>(head) * kSplits * kThreads + threadIdx.x;
+  const float* src_lse = p.partial_lse + head * kSplits * kRows + threadIdx.x / kQuads;
+  const int* flags = p.flags + head * kSplits;
+  float m = lse, l = 1.f;  // the running fold, from this CTA's own state (split 0)
+  float4 sum = o;
+  unsigned pending = ~1u;  // splits 1 .. 31 not landed yet
+  int next = 1;            // the next split to fold
+  while (next < kSplits) {
+    bool landed = false;
+    if (lane >= 1 && ((pending >> lane) & 1u)) {
+      int v;
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(flags + lane) : "memory");
+      landed = v != 0;
+    }
+    const unsigned fresh = __ballot_sync(0xffffffffu, landed);
+    __syncwarp();  // the acquiring lanes' loads are ordered before every lane's reads below
+    pending &= ~fresh;
+    for (unsigned f = fresh; f != 0; f &= f - 1) {
+      const int k = __ffs(f) - 1;
+      s_o[k * kThreads + threadIdx.x] = __ldcg(src_o + k * kThreads);
+      s_lse[k * kThreads + threadIdx.x] = __ldcg(src_lse + k * kRows);
+    }
+    for (; next < kSplits && ((pending >> next) & 1u) == 0; ++next) {
+      const float lk = s_lse[next * kThreads + threadIdx.x];
+      const float4 ok = s_o[next * kThreads + threadIdx.x];
+      const float mn = fmaxf(m, lk), a = exp2f(m - mn), b = exp2f(lk - mn);
+      l = l * a + b;
+      sum = make_float4(sum.x * a + ok.x * b, sum.y * a + ok.y * b, sum.z * a + ok.z * b, sum.w * a + ok.w * b);
+      m = mn;
+    }
+  }
+  p.out[head * kThreads + threadIdx.x] = make_float4(sum.x / l, sum.y / l, sum.z / l, sum.w / l);
+  __syncthreads();  // every warp saw every flag: put them back for the next launch
+  if (threadIdx.x >= 1 && threadIdx.x < kSplits) p.flags[head * kSplits + threadIdx.x] = 0;
+  stamp_end(p.stamps);
+}
+
 // cluster2 / cluster4 / cluster8 / cluster16: kC CTAs a cluster (consecutive splits of one KV head), kSplits / kC
 // clusters a head.
 template <int kC>
@@ -329,6 +425,8 @@ int main() {
   CHECK(cudaMalloc(&base.tile_counters, kHeads * sizeof(int)));
   CHECK(cudaMemset(base.tile_counters, 0, kHeads * sizeof(int)));
   CHECK(cudaMalloc(&base.ends, kCtas * sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&base.flags, kCtas * sizeof(int)));
+  CHECK(cudaMemset(base.flags, 0, kCtas * sizeof(int)));
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
@@ -345,6 +443,10 @@ int main() {
                               {"global (the decode kernel's merge)", tail_global<false>, 0, true},
                               {"dynamic none (tiles from a counter)", tail_none<true>, 0, false},
                               {"dynamic global", tail_global<true>, 0, true},
+                              {"fixed64 (merger waits, even pieces)", tail_fixed<64>, 0, true},
+                              {"fixed56 (merger's piece 56/64)", tail_fixed<56>, 0, true},
+                              {"fixed48 (merger's piece 48/64)", tail_fixed<48>, 0, true},
+                              {"fixed34 (merger's piece 34/64)", tail_fixed<34>, 0, true},
                               {"cluster2 (DSMEM, then 16 states)", tail_cluster<2>, 2, true},
                               {"cluster4 (DSMEM, then 8 states)", tail_cluster<4>, 4, true},
                               {"cluster8 (DSMEM, then 4 states)", tail_cluster<8>, 8, true},
