@@ -175,24 +175,32 @@ TEST(JitCompile, EveryBuiltinDecodeKernelForSm80AndSm90a) {
   for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(failures[i].empty()) << keys[i].name() << ": " << failures[i];
 }
 
-// The split-KV merge module of each architecture: both merge kernels (after the attention kernel, and streamed
-// beside it), an ELF cubin, no spill; nothing but the merge kernel header in its source.
-TEST(JitCompile, MergeModuleForSm80AndSm90a) {
-  for (const char* arch : {"sm_80", "sm_90a"}) {
-    const KernelSource src = merge_source(arch);
-    EXPECT_EQ(src.name, std::string("merge_") + (arch == std::string("sm_80") ? "sm80" : "sm90a"));
-    ASSERT_EQ(src.entry_points.size(), 2u);
-    EXPECT_EQ(src.entry_points[kMergeEntry], "&attnforge::cuda::merge_kernel");
-    EXPECT_EQ(src.entry_points[kMergeStreamEntry], "&attnforge::cuda::merge_stream_kernel");
-    EXPECT_NE(src.source.find("#include \"backends/cuda/merge/merge_kernel.cuh\""), std::string::npos);
-    EXPECT_EQ(src.source.find("decode_kernel"), std::string::npos) << src.source;
-    const CompiledModule m = compile(src);
-    ASSERT_EQ(m.lowered_names.size(), 2u) << arch;
-    for (const std::string& name : m.lowered_names) EXPECT_FALSE(name.empty()) << arch;
-    ASSERT_GE(m.binary.size(), 4u);
-    EXPECT_EQ(m.binary.compare(0, 4, "\x7f" "ELF"), 0) << arch;
-    EXPECT_EQ(m.log.find("spill"), std::string::npos) << arch << ": " << m.log;
-  }
+// The split-KV merge modules of each architecture: the merge kernel alone ("merge_sm90a", what every split plan
+// launches), and the streamed merge alone ("merge_stream_sm90a", only under ATTNFORGE_DECODE_KERNEL_MERGE=stream);
+// each an ELF cubin of its own kernel and not the other's (nor merge_states_kernel, the nvcc build's operator), no
+// spill; nothing but the merge kernel header in their sources.
+TEST(JitCompile, MergeModulesForSm80AndSm90a) {
+  for (const char* arch : {"sm_80", "sm_90a"})
+    for (bool streamed : {false, true}) {
+      const KernelSource src = merge_source(arch, streamed);
+      const std::string kernel = streamed ? "merge_stream_kernel" : "merge_kernel";
+      const std::string other = streamed ? "merge_kernel" : "merge_stream_kernel";
+      EXPECT_EQ(src.name, std::string(streamed ? "merge_stream_" : "merge_") +
+                              (arch == std::string("sm_80") ? "sm80" : "sm90a"));
+      ASSERT_EQ(src.entry_points.size(), 1u);
+      EXPECT_EQ(src.entry_points[kMergeEntry], "&attnforge::cuda::" + kernel);
+      EXPECT_NE(src.source.find("#include \"backends/cuda/merge/merge_kernel.cuh\""), std::string::npos);
+      EXPECT_EQ(src.source.find("decode_kernel"), std::string::npos) << src.source;
+      const CompiledModule m = compile(src);
+      ASSERT_EQ(m.lowered_names.size(), 1u) << src.name;
+      EXPECT_NE(m.lowered_names[0].find(kernel), std::string::npos) << m.lowered_names[0];
+      ASSERT_GE(m.binary.size(), 4u);
+      EXPECT_EQ(m.binary.compare(0, 4, "\x7f" "ELF"), 0) << src.name;
+      // Symbol names in the cubin: "...19merge_stream_kernel..." or "...12merge_kernel..." (mangled lengths).
+      EXPECT_EQ(m.binary.find(std::to_string(other.size()) + other), std::string::npos) << src.name << " holds " << other;
+      EXPECT_EQ(m.binary.find("merge_states_kernel"), std::string::npos) << src.name;
+      EXPECT_EQ(m.log.find("spill"), std::string::npos) << src.name << ": " << m.log;
+    }
   try {
     merge_source("compute_90");
     ADD_FAILURE() << "merge_source accepted a virtual architecture";

@@ -151,21 +151,24 @@ KernelSource KernelKey::render() const {
   return s;
 }
 
-KernelSource merge_source(const std::string& arch) {
+KernelSource merge_source(const std::string& arch, bool streamed) {
   if (arch.rfind("sm_", 0) != 0)
     detail::fail(ErrorKind::kUnsupported, "arch '{}': expected a real architecture such as sm_80 or sm_90a", arch);
   std::string arch_short = arch;
   arch_short.erase(2, 1);
   KernelSource s;
-  s.name = "merge_" + arch_short;
+  s.name = (streamed ? "merge_stream_" : "merge_") + arch_short;
   s.arch = arch;
-  s.warmup_command = fmt::format("attnforge warmup --arch {} (any configuration's warm-up compiles it)", arch);
-  s.entry_points = {"&attnforge::cuda::merge_kernel", "&attnforge::cuda::merge_stream_kernel"};
+  s.warmup_command =
+      streamed ? fmt::format("ATTNFORGE_DECODE_KERNEL_MERGE=stream attnforge warmup --arch {}", arch)
+               : fmt::format("attnforge warmup --arch {} (any configuration's warm-up compiles it)", arch);
+  s.entry_points = {streamed ? "&attnforge::cuda::merge_stream_kernel" : "&attnforge::cuda::merge_kernel"};
   s.source = fmt::format(
-      "// attnforge run-time kernel {}: the split-KV merge kernels (after the attention kernel, and streamed beside "
-      "it), {}\n"
+      "// attnforge run-time kernel {}: the split-KV {}, {}\n"
+      "#define ATTNFORGE_MERGE_KERNELS {}\n"
       "#include \"backends/cuda/merge/merge_kernel.cuh\"\n",
-      s.name, arch);
+      s.name, streamed ? "merge streamed beside the decode kernel" : "merge after the attention kernel", arch,
+      streamed ? 2 : 1);
   return s;
 }
 

@@ -85,13 +85,13 @@ struct KernelKey {
 // The entry point of a decode or prefill module.
 constexpr int kAttentionEntry = 0;
 
-// The split-KV merge kernels of `arch` (backends/cuda/merge/merge_kernel.cuh), which run() launches after or beside
-// either family's kernel: one module per architecture, "merge_sm90a", compiled once rather than in every decode and
-// prefill module (it was half of each one's compile time). Throws kUnsupported for an arch not "sm_...".
-KernelSource merge_source(const std::string& arch);
-// Its entry points.
+// The split-KV merge kernel of `arch` (backends/cuda/merge/merge_kernel.cuh), which run() launches after either
+// family's kernel: one module per architecture, "merge_sm90a", compiled once rather than in every decode and prefill
+// module (the merge kernels were half of each one's compile time); with `streamed`, the streamed merge
+// (merge_stream_kernel, "merge_stream_sm90a"), which only ATTNFORGE_DECODE_KERNEL_MERGE=stream launches. Its one
+// entry point is kMergeEntry. Throws kUnsupported for an arch not "sm_...".
+KernelSource merge_source(const std::string& arch, bool streamed = false);
 constexpr int kMergeEntry = 0;
-constexpr int kMergeStreamEntry = 1;  // the streamed merge (merge_stream_kernel)
 
 // The decode key for an attention shape on `arch` (with the tile run() launches, or `tile`); throws kUnsupported
 // when no decode kernel serves it.

@@ -11,6 +11,7 @@
 #include "core/check.h"
 #if ATTNFORGE_WITH_CUDA
 #include "backends/cuda/device_info.h"
+#include "backends/cuda/merge/merge.h"
 #include "backends/cuda/prefill/tile_config.cuh"
 #include "jit/kernel_key.h"
 #include "jit/warmup.h"
@@ -118,8 +119,9 @@ WarmupReport warmup_with(KernelCache& cache, const CacheSettings& settings, cons
   }
 
   // Prefill compiles take the longest: they start first, then the merge module of each architecture with a kernel
-  // to warm (every decode and prefill kernel launches its split-KV merge kernels), and the short decode ones fill
-  // the tail, so the wall time stays near the sum over threads.
+  // to warm (every decode and prefill kernel launches its split-KV merge kernel; under
+  // ATTNFORGE_DECODE_KERNEL_MERGE=stream the streamed merge's module too), and the short decode ones fill the tail,
+  // so the wall time stays near the sum over threads.
   std::stable_partition(keys.begin(), keys.end(),
                         [](const KernelKey& k) { return k.family == KernelFamily::kPrefill; });
   std::vector<KernelSource> sources;
@@ -128,8 +130,10 @@ WarmupReport warmup_with(KernelCache& cache, const CacheSettings& settings, cons
                                          [](const KernelKey& k) { return k.family != KernelFamily::kPrefill; });
   std::vector<KernelSource> merges;
   for (const std::string& arch : archs)
-    if (std::any_of(keys.begin(), keys.end(), [&](const KernelKey& k) { return k.arch == arch; }))
+    if (std::any_of(keys.begin(), keys.end(), [&](const KernelKey& k) { return k.arch == arch; })) {
       merges.push_back(merge_source(arch));
+      if (cuda::decode_kernel_merge_mode() == "stream") merges.push_back(merge_source(arch, /*streamed=*/true));
+    }
   sources.insert(sources.begin() + (first_decode - keys.begin()), merges.begin(), merges.end());
 
   const int32_t hw = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));

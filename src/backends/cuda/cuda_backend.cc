@@ -169,8 +169,7 @@ class CudaBackend final : public Backend {
   // graphs at 1 x 32768 (46.1-46.4 / 43.1-43.5 / 39.7 us against 46.2-46.6 / 43.9-44.6 / 40.8-40.9), level at 1 x 2048
   // in graphs of many (10.4 against 10.6-10.7 us).
   DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const override {
-    static const std::string mode =
-        detail::env_choice("ATTNFORGE_DECODE_KERNEL_MERGE", {"0", "1", "kernel", "several", "stream"}, "1");
+    const std::string& mode = cuda::decode_kernel_merge_mode();
     if (mode == "0") return {};
     const AttentionShape s = normalized(shape);
     const int stages = kv_stages > 0 ? kv_stages : cuda::default_decode_stages(s.kv_dtype);

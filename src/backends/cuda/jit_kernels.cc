@@ -52,37 +52,44 @@ jit::KernelKey JitKernels::key_for(PlanKind kind, const AttentionShape& shape, b
 
 const JitKernels::Kernels& JitKernels::kernels(const jit::KernelKey& key) {
   const std::string name = key.name();
-  // Built-in keys launch the merge kernels after or beside theirs; a custom variant's plans never split KV.
-  bool need_merge = false;
+  // Built-in keys launch the merge kernel after theirs (where ATTNFORGE_DECODE_KERNEL_MERGE=stream, the streamed one
+  // beside the decode kernel too: its own module, loaded only then); a custom variant's plans never split KV.
+  const bool builtin = key.variant == "builtin";
+  bool need_merge = false, need_stream = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (auto it = loaded_.find(name); it != loaded_.end()) return it->second;
-    need_merge = key.variant == "builtin" && merge_ == nullptr;
+    need_merge = builtin && merge_ == nullptr;
+    need_stream = builtin && merge_stream_ == nullptr && decode_kernel_merge_mode() == "stream";
   }
   // Outside the lock: a compile takes seconds and other keys need not wait for it (the cache compiles each key
-  // once however many threads ask). The merge module, the first time, compiles on a thread of its own meanwhile.
-  std::future<std::shared_ptr<const jit::CompiledModule>> merge_lookup;
-  if (need_merge)
-    merge_lookup = std::async(std::launch::async, [this] {
-      return jit::process_cache().get(jit::merge_source(arch_), jit::current_settings()).module;
-    });
+  // once however many threads ask). The merge modules, the first time, compile on threads of their own meanwhile.
+  using Module = std::shared_ptr<const jit::CompiledModule>;
+  auto merge_module = [this](bool streamed) {
+    return jit::process_cache().get(jit::merge_source(arch_, streamed), jit::current_settings()).module;
+  };
+  std::future<Module> merge_lookup, stream_lookup;
+  if (need_merge) merge_lookup = std::async(std::launch::async, merge_module, false);
+  if (need_stream) stream_lookup = std::async(std::launch::async, merge_module, true);
   const jit::Lookup l = jit::process_cache().get(key.render(), jit::current_settings());
-  const std::shared_ptr<const jit::CompiledModule> merge_module = need_merge ? merge_lookup.get() : nullptr;
+  const Module merge = need_merge ? merge_lookup.get() : nullptr;
+  const Module stream = need_stream ? stream_lookup.get() : nullptr;
   std::lock_guard<std::mutex> lock(mutex_);
   if (auto it = loaded_.find(name); it != loaded_.end()) return it->second;
   // The modules go into the device's primary context, the one the runtime API launches the nvcc kernels in
   // (cudaSetDevice creates it if nothing has yet). The caller restores its current device.
   ATTNFORGE_CUDA_CHECK(cudaSetDevice(device_));
   const DriverApi& d = driver();
-  if (merge_module != nullptr && merge_ == nullptr) {
+  auto load_merge = [&](const Module& m, CUfunction& f) {
+    if (m == nullptr || f != nullptr) return;  // not asked for, or loaded by another key meanwhile
     CUmodule module;
-    ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, merge_module->binary.data()));
-    const std::vector<std::string>& names = merge_module->lowered_names;
-    CUfunction merge, merge_stream;
-    ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&merge, module, names[jit::kMergeEntry].c_str()));
-    ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&merge_stream, module, names[jit::kMergeStreamEntry].c_str()));
-    merge_ = merge, merge_stream_ = merge_stream;
-  }
+    ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, m->binary.data()));
+    CUfunction fn;
+    ATTNFORGE_CU_CHECK(d.cuModuleGetFunction(&fn, module, m->lowered_names[jit::kMergeEntry].c_str()));
+    f = fn;
+  };
+  load_merge(merge, merge_);
+  load_merge(stream, merge_stream_);
   CUmodule module;
   ATTNFORGE_CU_CHECK(d.cuModuleLoadData(&module, l.module->binary.data()));
   Kernels k;
@@ -176,7 +183,14 @@ void JitKernels::run(const AttentionParams& p, PlanKind kind, cudaStream_t strea
     ATTNFORGE_CU_CHECK(d.cuLaunchKernelEx(&config, f, args, nullptr));
   };
   launch(k.attention, c.attention, !prefill && p.programmatic_launch && decode_programmatic_launch());
-  if (c.run_merge) launch(p.merge_flags != nullptr ? k.merge_stream : k.merge, c.merge, merge_programmatic_launch());
+  if (c.run_merge) {
+    const CUfunction merge = p.merge_flags != nullptr ? k.merge_stream : k.merge;
+    if (merge == nullptr)  // a plan made under another ATTNFORGE_DECODE_KERNEL_MERGE than the kernels were loaded under
+      detail::fail(ErrorKind::kBackend, "run-time compiled {} merge kernel for {} not loaded (it is loaded with the "
+                   "attention kernel when plan() runs; ATTNFORGE_DECODE_KERNEL_MERGE={})",
+                   p.merge_flags != nullptr ? "streamed" : "plain", k.key.name(), decode_kernel_merge_mode());
+    launch(merge, c.merge, merge_programmatic_launch());
+  }
 }
 
 void JitKernels::run_variant(const AttentionParams& p, const jit::KernelKey& key, const VariantArgs& args,

@@ -28,7 +28,9 @@ class JitKernels {
   struct Kernels {
     CUfunction attention = nullptr;  // the decode or prefill kernel
     CUfunction merge = nullptr;         // from the merge module (built-in keys; null for a custom variant's)
-    CUfunction merge_stream = nullptr;  // streamed merges (AttentionParams::merge_flags)
+    // Streamed merges (AttentionParams::merge_flags), from the streamed merge's module, loaded only under
+    // ATTNFORGE_DECODE_KERNEL_MERGE=stream (the one mode that launches it).
+    CUfunction merge_stream = nullptr;
     int ctas_per_sm = 0;
     jit::KernelKey key;
   };
@@ -66,7 +68,7 @@ class JitKernels {
   std::string arch_;
   std::mutex mutex_;
   std::map<std::string, Kernels> loaded_;  // by kernel name (unique per key)
-  CUfunction merge_ = nullptr, merge_stream_ = nullptr;  // the merge module's, once a built-in key has loaded it
+  CUfunction merge_ = nullptr, merge_stream_ = nullptr;  // the merge modules', once a built-in key has loaded them
   std::array<std::atomic<const Kernels*>, 48> by_shape_{};  // 8 variants x 3 head dims x 2 Q dtypes
 };
 

@@ -42,6 +42,12 @@ bool merge_programmatic_launch() {
   return allowed && compute_capability() >= 90;
 }
 
+const std::string& decode_kernel_merge_mode() {
+  static const std::string mode =
+      detail::env_choice("ATTNFORGE_DECODE_KERNEL_MERGE", {"0", "1", "kernel", "several", "stream"}, "1");
+  return mode;
+}
+
 void run_merge(const AttentionParams& p, cudaStream_t stream) {
   if (p.merge_capacity <= 0 || p.merge_counters != nullptr) return;  // none, or merged by the decode kernel
   launch_kernel(p.merge_flags != nullptr ? merge_stream_kernel : merge_kernel, merge_dims(p), stream,

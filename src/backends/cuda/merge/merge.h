@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "attnforge/kernel/op_params.h"
 #include "attnforge/kernel/params.h"
 #include "backends/cuda/kernel_config.h"
@@ -19,6 +21,11 @@ void run_merge(const AttentionParams& p, cudaStream_t stream);
 // Whether the merge kernel is launched as a programmatic dependent of the attention kernel on the current device:
 // compute capability 9.0 or newer, unless ATTNFORGE_MERGE_PDL=0 (a measuring knob: the plain launch for A/B runs).
 bool merge_programmatic_launch();
+
+// ATTNFORGE_DECODE_KERNEL_MERGE, read once: "1" (unset) or "kernel", "0", "several" or "stream" (CudaBackend::
+// decode_merge says what each does). "stream" is the one mode that launches the streamed merge kernel, so the
+// run-time compiled kernels load its module only then.
+const std::string& decode_kernel_merge_mode();
 
 // The merge_state / merge_states operators on `stream`.
 void run_merge_states(const MergeStatesParams& p, cudaStream_t stream);

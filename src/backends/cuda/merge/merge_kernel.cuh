@@ -394,6 +394,10 @@ __device__ __forceinline__ void merge_streamed(const AttentionParams& p) {
   })
 }
 
+// ATTNFORGE_MERGE_KERNELS picks the kernels a run-time compiled merge module holds (jit::merge_source): 1 the merge
+// kernel alone, 2 the streamed merge alone; unset (the nvcc build) all three. Each module then compiles only its own
+// kernel (the merge kernel alone in a third of the time of all three).
+#if !defined(ATTNFORGE_MERGE_KERNELS) || ATTNFORGE_MERGE_KERNELS == 1
 // Combines the partial states of each merge item (the shapes above), grid-stride over the plan's merges and over a
 // merge's query rows by gridDim.z. Launched as a programmatic dependent of the attention kernel where the GPU has
 // it (sm_90+): the plan's metadata (uploaded before the attention kernel) is read first, then griddepcontrol.wait
@@ -408,6 +412,9 @@ __global__ void __launch_bounds__(kMergeThreads, 5) merge_kernel(const Attention
     default: merge_items<4>(p, s_m, s_l, s_o); break;  // 256
   }
 }
+#endif
+
+#if !defined(ATTNFORGE_MERGE_KERNELS) || ATTNFORGE_MERGE_KERNELS == 2
 
 // Streamed merges (merge_streamed), over merge_dims' grid; launched as a programmatic dependent of the decode kernel
 // where the GPU has it, else after it (every flag is then set when a CTA starts). A CTA holds up to 16 rows and its
@@ -422,6 +429,9 @@ __global__ void __maxnreg__(168) merge_stream_kernel(const AttentionParams p) {
     default: merge_streamed<256>(p); break;  // 256
   }
 }
+#endif
+
+#if !defined(ATTNFORGE_MERGE_KERNELS)
 
 // merge_state / merge_states (the operators, attnforge/ops.h): one warp per (row, head) combines its num_states
 // states. The weights come from the states' LSEs alone (2^(lse_k - max) over their sum), so every lane of the
@@ -463,5 +473,7 @@ __global__ void __launch_bounds__(32 * kMergeStatesWarps) merge_states_kernel(co
   }
   if (p.lse && lane == 0) p.lse[i * p.lse_stride_n + h * p.lse_stride_head] = sum > 0.f ? m + log2f(sum) : -ATTNFORGE_INFINITY;
 }
+
+#endif
 
 }  // namespace attnforge::cuda
