@@ -69,14 +69,16 @@ struct Params {
   unsigned seed;               // varies the states by call
 };
 
-// Tile `tile` (32 KB) from `base` into shared stage `stage` by cp.async; no copy for tile < 0 or past `tiles`. Commits
-// a group either way, so every iteration of a stream has one.
-__device__ __forceinline__ void copy_tile(uint4* stages, const uint4* base, int stage, int tile, int tiles) {
+// Tile `tile` (32 KB) from `base` into shared stage `stage` by cp.async, only its uint4s before `elems` of the stream
+// (a partial last tile); no copy for tile < 0 or past the stream. Commits a group either way, so every iteration of
+// a stream has one.
+__device__ __forceinline__ void copy_tile(uint4* stages, const uint4* base, int stage, int tile, int elems) {
   constexpr int kPer = kStageBytes / 16 / kThreads;
-  if (tile >= 0 && tile < tiles) {
+  if (tile >= 0 && tile * (kStageBytes / 16) < elems) {
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
       const int e = k * kThreads + threadIdx.x;
+      if (tile * (kStageBytes / 16) + e >= elems) break;
       const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stages + stage * (kStageBytes / 16) + e));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
                    "l"(base + static_cast<long long>(tile) * (kStageBytes / 16) + e));
@@ -93,21 +95,7 @@ __device__ uint32_t stream_range(const Params& p, int head, int first, int piece
   const uint4* base = p.src + static_cast<long long>(head) * (kBytes / 16 / kHeads) +
                       static_cast<long long>(first) * kPieceElems;
   const int elems = pieces * kPieceElems, tiles = (elems + kStageBytes / 16 - 1) / (kStageBytes / 16);
-  auto issue = [&](int t) {
-    constexpr int kPer = kStageBytes / 16 / kThreads;
-    if (t < tiles) {
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        const int e = k * kThreads + threadIdx.x;
-        if (t * (kStageBytes / 16) + e >= elems) break;
-        const uint32_t dst =
-            static_cast<uint32_t>(__cvta_generic_to_shared(stages + (t % kStages) * (kStageBytes / 16) + e));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
-                     "l"(base + static_cast<long long>(t) * (kStageBytes / 16) + e));
-      }
-    }
-    asm volatile("cp.async.commit_group;");
-  };
+  auto issue = [&](int t) { copy_tile(stages, base, t % kStages, t, elems); };
   for (int t = 0; t < kStages - 1; ++t) issue(t);
   uint32_t acc = 0;
   for (int t = 0; t < tiles; ++t) {
@@ -138,7 +126,7 @@ __device__ uint32_t stream_tiles_dynamic(const Params& p, int head, int split) {
   constexpr int kTakes = kTiles - kFirst + kSplits;  // every tile past the first ones, and one failed take a CTA
   const uint4* base = p.src + static_cast<long long>(head) * (kBytes / 16 / kHeads);
   int* counter = p.tile_counters + head;
-  auto issue = [&](int stage, int tile) { copy_tile(stages, base, stage, tile, kTiles); };
+  auto issue = [&](int stage, int tile) { copy_tile(stages, base, stage, tile, kTiles * (kStageBytes / 16)); };
   auto take = [&](int slot) {
     if (threadIdx.x == 0) {
       const int v = atomicAdd(counter, 1);

@@ -28,13 +28,24 @@ const char* elem_type(DType t) {
   }
 }
 
+// "sm_90a" -> "sm90a", for kernel names.
+std::string short_arch(const std::string& arch) {
+  std::string s = arch;
+  if (s.rfind("sm_", 0) == 0) s.erase(2, 1);
+  return s;
+}
+
+void check_arch(const std::string& arch) {
+  if (arch.rfind("sm_", 0) != 0)
+    detail::fail(ErrorKind::kUnsupported, "arch '{}': expected a real architecture such as sm_80 or sm_90a", arch);
+}
+
 }  // namespace
 
 const char* to_string(KernelFamily family) { return family == KernelFamily::kPrefill ? "prefill" : "decode"; }
 
 std::string KernelKey::name() const {
-  std::string arch_short = arch;
-  if (arch_short.rfind("sm_", 0) == 0) arch_short.erase(2, 1);  // "sm90a"
+  const std::string arch_short = short_arch(arch);
   // A custom variant's name carries 8 hex digits of its source's hash: two sources under one name get two kernels.
   const std::string variant_part = variant == "builtin" ? "" : "_" + variant + "_" + variant_hash.hex().substr(0, 8);
   if (family == KernelFamily::kPrefill) {
@@ -112,8 +123,7 @@ void KernelKey::validate() const {
       detail::fail(ErrorKind::kUnsupported, "decode_tile.stages {}: a prefill key takes the default {{{}}}",
                    decode_tile.stages, DecodeTile{}.stages);
   }
-  if (arch.rfind("sm_", 0) != 0)
-    detail::fail(ErrorKind::kUnsupported, "arch '{}': expected a real architecture such as sm_80 or sm_90a", arch);
+  check_arch(arch);
 }
 
 KernelSource KernelKey::render() const {
@@ -152,12 +162,9 @@ KernelSource KernelKey::render() const {
 }
 
 KernelSource merge_source(const std::string& arch, bool streamed) {
-  if (arch.rfind("sm_", 0) != 0)
-    detail::fail(ErrorKind::kUnsupported, "arch '{}': expected a real architecture such as sm_80 or sm_90a", arch);
-  std::string arch_short = arch;
-  arch_short.erase(2, 1);
+  check_arch(arch);
   KernelSource s;
-  s.name = (streamed ? "merge_stream_" : "merge_") + arch_short;
+  s.name = (streamed ? "merge_stream_" : "merge_") + short_arch(arch);
   s.arch = arch;
   s.warmup_command =
       streamed ? fmt::format("ATTNFORGE_DECODE_KERNEL_MERGE=stream attnforge warmup --arch {}", arch)
