@@ -1027,6 +1027,69 @@ TEST(CudaKernelMerge, SeveralPassesMatchTheReference) {
   EXPECT_GT(plan.max_merge_states, 7) << plan.describe();
 }
 
+// Fixed mergers (ATTNFORGE_DECODE_KERNEL_MERGE=fixed, an A/B setting scripts/device-check runs the decode tests
+// under): each merge of a one-wave 16-bit plan is merged by its first piece, cut shorter, as the other pieces' flags
+// land (merge_fixed_rows). Skipped in the other modes.
+bool fixed_mergers() { return kernel_merge_mode() == "fixed"; }
+
+// Runs `s` twice on one workspace with fixed mergers (expect_merges_run_twice: the flags, then the unused counters).
+AttentionPlan expect_fixed_merge(CaseSpec s) {
+  Case c = make_case(s);
+  DeviceCase dev(c);
+  AttentionPlan plan = cuda_decode_plan(c);
+  EXPECT_FALSE(plan.merges.empty()) << plan.describe();
+  EXPECT_GT(plan.merge_flags, 0) << plan.describe();
+  EXPECT_GT(plan.merge_counters, 0) << plan.describe();
+  if (plan.merge_flags == 0 || plan.merge_counters == 0) return plan;
+  expect_merges_run_twice(c, dev, plan, plan.merge_flags, detail::plan_layout(plan).merge_flags, "merge flags");
+  expect_merges_run_twice(c, dev, plan, plan.merge_counters, detail::plan_layout(plan).merge_counters,
+                          "merge counters");
+  return plan;
+}
+
+// One-wave plans get fixed mergers, with the first piece of each merge the shortest but for a short last one;
+// batches of a wave or more and fp8 K/V keep the count.
+TEST(CudaFixedMerge, ChosenForOneWavePlans) {
+  if (!fixed_mergers()) GTEST_SKIP() << "needs ATTNFORGE_DECODE_KERNEL_MERGE=fixed";
+  const AttentionPlan one = cuda_decode_plan(make_case(serving_decode(1, 32768, 16)));
+  ASSERT_EQ(one.merges.size(), 1u) << one.describe();
+  EXPECT_GT(one.merge_flags, 0) << one.describe();
+  EXPECT_GT(one.merge_counters, 0) << one.describe();
+  const MergeItem& m = one.merges[0];
+  ASSERT_GE(m.num_items, 3);
+  const WorkItem& first = one.items[static_cast<size_t>(m.first_item)];
+  const WorkItem& second = one.items[static_cast<size_t>(m.first_item + 1)];
+  EXPECT_EQ(first.kv_begin, 0);
+  EXPECT_LT(first.kv_end - first.kv_begin, second.kv_end - second.kv_begin) << one.describe();
+  const AttentionPlan big = cuda_decode_plan(make_case(serving_decode(64, 8192, 16)));
+  EXPECT_EQ(big.merge_flags, 0) << big.describe();
+  CaseSpec fp8 = serving_decode(1, 32768, 16);
+  fp8.kv_dtype = DType::kFloat8E4M3;
+  EXPECT_EQ(cuda_decode_plan(make_case(fp8)).merge_flags, 0);
+}
+
+// Unequal lengths (one request too short to split), sinks, page size 1; a group of 6 with a window that leaves the
+// first pieces empty; head_dim 64 and 256.
+TEST(CudaFixedMerge, MatchesTheReference) {
+  if (!fixed_mergers()) GTEST_SKIP() << "needs ATTNFORGE_DECODE_KERNEL_MERGE=fixed";
+  CaseSpec a = serving_decode(4, 9000, 16);
+  a.kv_lens = {9000, 2500, 4001, 33};
+  a.options.sinks = true;
+  a.seed = 101;
+  expect_fixed_merge(a);
+  CaseSpec b = serving_decode(2, 7001, 1);
+  b.num_qo_heads = 12, b.num_kv_heads = 2;
+  b.options.window_left = 2000;
+  b.seed = 102;
+  expect_fixed_merge(b);
+  for (int32_t d : {64, 256}) {
+    CaseSpec c = serving_decode(1, 20000, 16);
+    c.head_dim_qk = d;
+    c.seed = 103 + d;
+    expect_fixed_merge(c);
+  }
+}
+
 // Streamed merges (the default for small batches at head_dim 128; every decode merge under
 // ATTNFORGE_DECODE_KERNEL_MERGE=stream, which scripts/device-check sets for a second run of the decode tests): the
 // merge kernel runs beside the decode kernel and folds each merge's states as the decode CTAs release their flags
