@@ -93,42 +93,6 @@ TEST(PlannerHeuristics, DecodeMergesInTheKernelWhileTheStatesFitItsPasses) {
   EXPECT_FALSE(planner::decode_merges_in_kernel(in, 0, 128, 0, 0));
 }
 
-TEST(PlannerHeuristics, FixedMergesFitEveryStateInSharedMemory) {
-  // One request, 8 KV heads, 264 workers, one wave: up to 34 states of 4 rows x 128 dims of O (2048 bytes) and 512
-  // bytes of LSEs (a float per four dims): 34 x 2560 = 87040 bytes.
-  SplitInput in = split_input(1, 8, 32768, 32768, 264);
-  in.waves = 1;
-  EXPECT_TRUE(planner::fixed_merges_fit(in, 4, 128, 87040));
-  EXPECT_FALSE(planner::fixed_merges_fit(in, 4, 128, 87039));
-  // 16 rows (a group of 16): four times the bytes.
-  EXPECT_FALSE(planner::fixed_merges_fit(in, 16, 128, 100 * 1024));
-  EXPECT_FALSE(planner::fixed_merges_fit(in, 0, 128, 100 * 1024));
-}
-
-TEST(PlannerHeuristics, FixedMergerPiecesCoverTheKVWithAShortFirstPiece) {
-  // 32768 tokens in 32 even pieces of 1024; the merger takes 75% (768), the other 31 share 32000: ceil(32000 / 31) =
-  // 1033, aligned up to 1040: 30 pieces of 1040 and a last of 800.
-  const auto pieces = planner::fixed_merger_pieces(32768, 32, 1024, 16, 75);
-  ASSERT_EQ(pieces.size(), 32u);
-  EXPECT_EQ(pieces[0], std::make_pair(0, 768));
-  EXPECT_EQ(pieces[1], std::make_pair(768, 1808));
-  EXPECT_EQ(pieces[31], std::make_pair(768 + 30 * 1040, 32768));
-  for (size_t k = 1; k < pieces.size(); ++k) {
-    EXPECT_EQ(pieces[k].first, pieces[k - 1].second);
-    EXPECT_LT(pieces[k].first, pieces[k].second);
-  }
-  // A share of 100: even pieces. A first piece under the alignment is raised to it (the 10% of 100 tokens is 10: 16).
-  const auto even = planner::fixed_merger_pieces(4096, 4, 1024, 16, 100);
-  EXPECT_EQ(even, (std::vector<std::pair<int32_t, int32_t>>{{0, 1024}, {1024, 2048}, {2048, 3072}, {3072, 4096}}));
-  const auto small = planner::fixed_merger_pieces(200, 2, 100, 16, 10);
-  EXPECT_EQ(small, (std::vector<std::pair<int32_t, int32_t>>{{0, 16}, {16, 200}}));
-  // Rounding can leave fewer pieces than asked, never more: 1000 tokens, 8 pieces of 128 (page size 64).
-  const auto rounded = planner::fixed_merger_pieces(1000, 8, 128, 64, 50);
-  EXPECT_LE(rounded.size(), 8u);
-  EXPECT_EQ(rounded.front(), std::make_pair(0, 64));
-  EXPECT_EQ(rounded.back().second, 1000);
-}
-
 TEST(PlannerHeuristics, KvChunkAtLeastMinChunk) {
   // 1000 tokens over 32 items would be 32-token chunks; min_chunk raises them to 256.
   EXPECT_EQ(choose_kv_chunk(split_input(1, 1, 1000, 1000, 16)), 256);

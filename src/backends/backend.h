@@ -42,11 +42,6 @@ class Backend {
     // Merges streamed instead (AttentionPlan::merge_flags: the merge kernel runs beside the decode kernel, which
     // releases a flag per CTA state) in batches of at most this many (request, KV head) pairs; 0: never.
     int64_t stream_max_pairs = 0;
-    // Fixed mergers instead of the count (16-bit K/V, one-wave plans whose states fit: AttentionPlan::merge_counters
-    // and merge_flags both set): each merge's first piece, cut to merger_share percent of an even piece, merges the
-    // others' states as their flags land (decode_kernel.cuh, merge_fixed_rows).
-    bool fixed = false;
-    int32_t merger_share = 100;
   };
   virtual DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const {
     (void)shape, (void)kv_stages;

@@ -40,30 +40,6 @@ bool decode_merges_in_kernel(const SplitInput& in, int32_t cta_rows, int32_t hea
   return per_pass > 0 && states <= per_pass * passes;
 }
 
-bool fixed_merges_fit(const SplitInput& in, int32_t cta_rows, int32_t head_dim_vo, int64_t smem_bytes) {
-  if (cta_rows <= 0 || smem_bytes <= 0) return false;
-  const int64_t states = split_target_items(in) + 1;
-  const int64_t o_floats = static_cast<int64_t>(cta_rows) * head_dim_vo;
-  return states * (o_floats + o_floats / 4) * static_cast<int64_t>(sizeof(float)) <= smem_bytes;
-}
-
-std::vector<std::pair<int32_t, int32_t>> fixed_merger_pieces(int32_t kv_end, int32_t pieces, int32_t piece,
-                                                             int32_t align, int32_t share_percent) {
-  std::vector<std::pair<int32_t, int32_t>> out;
-  const int32_t first =
-      std::min(kv_end, std::max(align, static_cast<int32_t>(static_cast<int64_t>(piece) * share_percent / 100) /
-                                           align * align));
-  out.emplace_back(0, first);
-  if (first >= kv_end || pieces < 2) {
-    if (first < kv_end) out.back().second = kv_end;
-    return out;
-  }
-  const int32_t rest = kv_end - first;
-  const int32_t others = ((rest + pieces - 2) / (pieces - 1) + align - 1) / align * align;
-  for (int32_t k0 = first; k0 < kv_end; k0 += others) out.emplace_back(k0, std::min(kv_end, k0 + others));
-  return out;
-}
-
 void schedule_pairs(std::span<const int64_t> item_work, int32_t num_kv_heads, int32_t ctas,
                     std::vector<int32_t>& out) {
   const int64_t items = static_cast<int64_t>(item_work.size()), pairs = items * num_kv_heads;

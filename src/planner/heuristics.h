@@ -2,7 +2,6 @@
 #pragma once
 
 #include <span>
-#include <utility>
 #include <vector>
 
 #include "attnforge/kernel/types.h"
@@ -47,17 +46,6 @@ int32_t choose_kv_chunk(const SplitInput& in);
 // many CTAs.
 bool decode_merges_in_kernel(const SplitInput& in, int32_t cta_rows, int32_t head_dim_vo, int64_t smem_bytes,
                              int32_t passes);
-
-// Whether a decode kernel's fixed merger (the merge's first piece merges the others' states as they land: Backend::
-// DecodeMerge::fixed) can hold every state of a merge of this batch size in `smem_bytes` of shared memory: per
-// state, `cta_rows` rows of head_dim_vo floats of O and a quarter as many of LSEs (a float per four dims).
-bool fixed_merges_fit(const SplitInput& in, int32_t cta_rows, int32_t head_dim_vo, int64_t smem_bytes);
-
-// The pieces [begin, end) of `kv_end` tokens cut for a fixed merger: the first `share_percent` of an even piece
-// (`piece` tokens, rounded down to `align`, at least `align`), the rest spread over at most pieces - 1 pieces
-// aligned up to `align`; so that the merging CTA finishes before the others.
-std::vector<std::pair<int32_t, int32_t>> fixed_merger_pieces(int32_t kv_end, int32_t pieces, int32_t piece,
-                                                             int32_t align, int32_t share_percent);
 
 // A persistent kernel's pairs (KV head h, item i: h x items + i, the kernel's order) laid out over `ctas` CTAs:
 // in that order, each pair goes to the CTA with the least work so far (ties: the lowest), as CTAs taking pairs from

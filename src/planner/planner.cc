@@ -243,16 +243,6 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
   }
   if (a.options.disable_split) chunk = 0;
   plan.kv_chunk = chunk;
-  // How a decode plan's merges run on a device (the workspace's merge buffers below): decided by the batch size and
-  // shape (the split bound, not this plan's pieces), so every re-plan of the batch size keeps the workspace layout
-  // and the launches a captured graph holds. Fixed mergers take one-wave plans only: all of their CTAs fit at once.
-  const bool device_merges =
-      kind == PlanKind::kDecode && !a.options.deterministic && !a.options.disable_split && backend.plan_in_device_memory();
-  const detail::Backend::DecodeMerge dm = device_merges ? backend.decode_merge(shape, plan.kv_stages)
-                                                        : detail::Backend::DecodeMerge{};
-  const int32_t merge_rows = std::min(dm.cta_rows, plan.qo_tile * group);
-  const bool fixed_merger = dm.fixed && dm.cta_rows > 0 && one_wave &&
-                            planner::fixed_merges_fit(in, merge_rows, shape.head_dim_vo, dm.smem_bytes);
 
   for (const Tile& t : tiles) {
     // Deterministic mode cuts at multiples of the fixed size; otherwise the pieces are balanced, aligned up to
@@ -270,17 +260,11 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
       plan.items.push_back({t.request, t.qo_begin, t.qo_end, 0, t.kv_end, -1, 0, 0, 0, 0, -1, 0, 0});
       continue;
     }
-    std::vector<std::pair<int32_t, int32_t>> ranges;
-    if (fixed_merger) {
-      ranges = planner::fixed_merger_pieces(t.kv_end, pieces, piece, in.align, dm.merger_share);
-    } else {
-      for (int32_t p = 0; p < pieces; ++p) ranges.emplace_back(p * piece, std::min(t.kv_end, (p + 1) * piece));
-    }
-    const auto count = static_cast<int32_t>(ranges.size());
-    for (const auto& [k0, k1] : ranges) plan.kv_chunk = std::max(plan.kv_chunk, k1 - k0);  // rounding may stretch
-    plan.merges.push_back({t.request, t.qo_begin, t.qo_end, static_cast<int32_t>(plan.items.size()), count});
-    plan.max_merge_states = std::max(plan.max_merge_states, count);
-    for (const auto& [k0, k1] : ranges) {
+    plan.kv_chunk = std::max(plan.kv_chunk, piece);  // the longest piece, which rounding down can stretch
+    plan.merges.push_back({t.request, t.qo_begin, t.qo_end, static_cast<int32_t>(plan.items.size()), pieces});
+    plan.max_merge_states = std::max(plan.max_merge_states, pieces);
+    for (int32_t p = 0; p < pieces; ++p) {
+      const int32_t k0 = p * piece, k1 = std::min(t.kv_end, k0 + piece);
       plan.items.push_back(
           {t.request, t.qo_begin, t.qo_end, k0, k1, static_cast<int32_t>(plan.partial_rows), 0, 0, 0, 0, -1, 0, 0});
       plan.partial_rows += t.qo_end - t.qo_begin;
@@ -324,19 +308,17 @@ AttentionPlan make_plan(const BatchPlanArgs& a, PlanKind kind) {
     plan.merge_capacity = static_cast<int32_t>(tiles.size());
     plan.partial_row_capacity =
         std::max<int64_t>(plan.partial_rows, static_cast<int64_t>(bound) * std::max(plan.qo_tile, long_qo_tile));
-    // Merges in the decode kernel (counters), streamed (flags) or by fixed mergers (both).
-    if (device_merges && dm.cta_rows > 0) {
-      const int64_t row_blocks = (static_cast<int64_t>(plan.qo_tile) * group + dm.cta_rows - 1) / dm.cta_rows;
-      const int64_t flags = static_cast<int64_t>(plan.item_capacity) * shape.num_kv_heads * row_blocks;
-      const int64_t counters = static_cast<int64_t>(plan.merge_capacity) * shape.num_kv_heads * row_blocks;
-      if (fixed_merger) {
-        plan.merge_flags = flags;
-        plan.merge_counters = counters;
-      } else if (static_cast<int64_t>(plan.batch_size) * shape.num_kv_heads <= dm.stream_max_pairs) {
-        plan.merge_flags = flags;
-      } else if (planner::decode_merges_in_kernel(in, merge_rows, shape.head_dim_vo, dm.smem_bytes,
-                                                  in.waves == 1 ? dm.small_batch_passes : dm.passes)) {
-        plan.merge_counters = counters;
+    // Merges in the decode kernel: decided by the batch size and shape (the split bound, not this plan's pieces),
+    // so every re-plan of the batch size keeps the workspace layout and launches a captured graph holds.
+    if (kind == PlanKind::kDecode && !a.options.deterministic && !a.options.disable_split) {
+      const detail::Backend::DecodeMerge dm = backend.decode_merge(shape, plan.kv_stages);
+      const int64_t row_blocks =
+          dm.cta_rows > 0 ? (static_cast<int64_t>(plan.qo_tile) * group + dm.cta_rows - 1) / dm.cta_rows : 0;
+      if (dm.cta_rows > 0 && static_cast<int64_t>(plan.batch_size) * shape.num_kv_heads <= dm.stream_max_pairs) {
+        plan.merge_flags = static_cast<int64_t>(plan.item_capacity) * shape.num_kv_heads * row_blocks;
+      } else if (planner::decode_merges_in_kernel(in, std::min(dm.cta_rows, plan.qo_tile * group), shape.head_dim_vo,
+                                           dm.smem_bytes, in.waves == 1 ? dm.small_batch_passes : dm.passes)) {
+        plan.merge_counters = static_cast<int64_t>(plan.merge_capacity) * shape.num_kv_heads * row_blocks;
       }
     }
     // A persistent prefill kernel's CTAs walk lists the planner balances (schedule_pairs): one list for each of
@@ -377,10 +359,7 @@ std::string AttentionPlan::describe() const {
                      tile_rows > 0 ? fmt::format(" ({} rows)", tile_rows) : std::string(),
                      kv_stages > 0 ? fmt::format("{} K/V stages, ", kv_stages) : std::string(), kv_chunk, items.size(),
                      merges.size(),
-                     merge_counters > 0 && merge_flags > 0 ? " (by fixed mergers in the decode kernel)"
-                     : merge_counters > 0                  ? " (in the decode kernel)"
-                     : merge_flags > 0                     ? " (streamed)"
-                                                           : "",
+                     merge_counters > 0 ? " (in the decode kernel)" : merge_flags > 0 ? " (streamed)" : "",
                      workspace_bytes);
 }
 

@@ -167,9 +167,7 @@ class CudaBackend final : public Backend {
   // 32, on figures that a bug made too fast (its merge grid could fold the call before's states: perf-notes v27);
   // measured right (H200, session 32), merges in the decode kernel are as fast as plain calls and 1-1.2 us faster in
   // graphs at 1 x 32768 (46.1-46.4 / 43.1-43.5 / 39.7 us against 46.2-46.6 / 43.9-44.6 / 40.8-40.9), level at 1 x 2048
-  // in graphs of many (10.4 against 10.6-10.7 us). =fixed (an A/B setting, perf-notes v37) gives each merge of a
-  // one-wave 16-bit plan up to head_dim 128 a fixed merger: its first piece, cut to ATTNFORGE_DECODE_MERGER_SHARE percent (10 to 100,
-  // default 75) of an even piece, merges the others' states as they land (merge_fixed_rows).
+  // in graphs of many (10.4 against 10.6-10.7 us).
   DecodeMerge decode_merge(const AttentionShape& shape, int32_t kv_stages) const override {
     const std::string& mode = cuda::decode_kernel_merge_mode();
     if (mode == "0") return {};
@@ -179,11 +177,6 @@ class CudaBackend final : public Backend {
                   4, mode == "several" ? 4 : 1};
     if (mode == "stream" && !cuda::is_fp8(s.kv_dtype))  // the fp8 kernels do not stream (decode_kernel.cuh)
       m.stream_max_pairs = std::numeric_limits<int64_t>::max();
-    if (mode == "fixed" && !cuda::is_fp8(s.kv_dtype) && s.head_dim_vo <= 128) {  // nor have fixed mergers, nor d256
-      static const int32_t share = detail::env_int("ATTNFORGE_DECODE_MERGER_SHARE", 10, 100, 75);
-      m.fixed = true;
-      m.merger_share = share;
-    }
     return m;
   }
   // The prefill kernel's CTA rows (decode items hold all of a request's query tokens).

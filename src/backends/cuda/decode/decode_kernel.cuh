@@ -181,21 +181,6 @@ __device__ __forceinline__ void publish_state(const AttentionParams& p, int item
   }
 }
 
-// Dims 4q .. 4q + 3 of merged row `row` (the item's row index: maximum m, weight sum l, weighted sum acc), and its
-// LSE, as the merge kernel writes them (finish_row).
-__device__ __forceinline__ void write_merged_quad(const AttentionParams& p, const WorkItem& it, int row, int q, int group,
-                                                  int kv_head, int qo_start, float m, float l, const float4& acc) {
-  const QueryRow qr = query_row(it, row, group, kv_head);
-  float lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
-  const float f = (l > 0.f ? 1.f / l : 0.f) * apply_sink(p.variant, qr.head, &lse);
-  const int64_t out = (qo_start + qr.tok) * p.o_stride_token + qr.head * p.o_stride_head + 4 * q;
-  store_element(p.o, p.o_dtype, out, acc.x * f);
-  store_element(p.o, p.o_dtype, out + 1, acc.y * f);
-  store_element(p.o, p.o_dtype, out + 2, acc.z * f);
-  store_element(p.o, p.o_dtype, out + 3, acc.w * f);
-  if (p.lse && q == 0) p.lse[(qo_start + qr.tok) * p.lse_stride_token + qr.head] = lse;
-}
-
 // The merging CTA (merge_count_written) combines the states of its rows (row0 .. row0 + rows - 1 of every piece of the
 // request) in the kernel's shared memory, which the K/V stages and Q no longer need (the caller's barrier). A thread
 // owns (row, four dims) pairs: it copies its pairs' O slices of every state by cp.async through L2 and later reads
@@ -269,8 +254,18 @@ __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const
         }
     }
   };
+  // Dims 4q .. 4q + 3 of merged row r (maximum m, weight sum l, weighted sum acc), and its LSE, as the merge kernel
+  // writes them (finish_row).
   auto write_row_quad = [&](int r, int q, float m, float l, const float4& acc) {
-    write_merged_quad(p, it, row0 + r, q, group, kv_head, qo_start, m, l, acc);
+    const QueryRow qr = query_row(it, row0 + r, group, kv_head);
+    float lse = l > 0.f ? m + log2f(l) : -ATTNFORGE_INFINITY;
+    const float f = (l > 0.f ? 1.f / l : 0.f) * apply_sink(p.variant, qr.head, &lse);
+    const int64_t out = (qo_start + qr.tok) * p.o_stride_token + qr.head * p.o_stride_head + 4 * q;
+    store_element(p.o, p.o_dtype, out, acc.x * f);
+    store_element(p.o, p.o_dtype, out + 1, acc.y * f);
+    store_element(p.o, p.o_dtype, out + 2, acc.z * f);
+    store_element(p.o, p.o_dtype, out + 3, acc.w * f);
+    if (p.lse && q == 0) p.lse[(qo_start + qr.tok) * p.lse_stride_token + qr.head] = lse;
   };
   // Pass k0's O copies (each thread its own pairs' slices, by cp.async through L2) and LSEs, landed for this thread.
   auto load_states = [&](int k0, int n) {
@@ -360,118 +355,6 @@ __device__ __forceinline__ void merge_split_rows(const AttentionParams& p, const
     write_row_quad(r, q, s_m[r], s_l[r], *reinterpret_cast<const float4*>(s_acc + 4 * i));
   }
   ATTNFORGE_TL(if (threadIdx.x == 0) tl_merge[4] = global_ns();)
-}
-
-// Fixed mergers (AttentionParams: merge_counters and merge_flags both set; 16-bit K/V up to head_dim 128, in plans
-// whose CTAs are all resident at once, planner.cc): the merge's first piece, which the planner cuts shorter than the
-// others so that its CTA finishes first, merges. The other CTAs of the merge write their states and release their
-// flags (publish_state); this one, with its own state (state 0) written, polls the flags of states 1 .. n - 1 (items
-// item_index + k: a merge's items are consecutive and in KV order), each warp on its own: lane b polls state
-// next + b of the 32 after the last one folded, each thread of the warp copies its pairs' slices of every state that
-// landed into shared memory (O by cp.async, the LSEs beside them), and the warp folds the landed prefix in KV order
-// into running (maximum, weight sum, weighted sum) registers. After the last state lands, one copy and the folds
-// left remain, where the counted merge (merge_split_rows) loads and folds every state after the last count. States
-// fold in KV order whatever order they land in (the same bits every launch of a plan; the rounding differs from
-// merge_split_rows', which finds the maximum first). Nothing waits on a CTA that is not running or done: each CTA
-// holds one item (the grid covers the item capacity) and only mergers wait, so a merger waits for CTAs that either
-// hold a slot or get one as others finish. It puts the flags back to zero for the next launch.
-// Shared memory: states x rows x head_dim floats of O and states x rows x head_dim / 4 of LSEs (fixed_merge_fits).
-template <class Tr>
-__device__ __forceinline__ void merge_fixed_rows(const AttentionParams& p, const WorkItem& it, uint8_t* smem,
-                                                 int item_index, int row0, int rows, int group, int kv_head,
-                                                 int qo_start) {
-  constexpr int D = Tr::kHeadDim, kQuads = D / 4, kPairs = (Tr::kRows * kQuads + Tr::kThreads - 1) / Tr::kThreads;
-  // Pairs folded at once (their running states in registers; a CTA of 16 rows at head_dim 256 has 8 a thread, and
-  // all of them at once spilled): groups after the first find their states landed and pay one more copy's trip.
-  constexpr int kGroup = kPairs < 2 ? kPairs : 2;
-  constexpr int kBatch = 4;  // landed states whose LSE loads go out together
-  const int states = it.merge_states, heads = p.num_qo_heads, lane = threadIdx.x % 32;
-  const int quads = rows * kQuads;  // (row, four dims) pairs; thread t owns pairs t, t + kThreads, ..
-  float* const s_o = reinterpret_cast<float*>(smem);  // [states][quads][4], a thread's own pairs
-  float* const s_lse = s_o + 4 * states * quads;     // [states][quads], a thread's own pairs
-  int32_t* const flags =
-      p.merge_flags + (static_cast<int64_t>(kv_head) * gridDim.z + blockIdx.z) * p.item_capacity + item_index;
-  // State k of a pair: its LSE lse_step x k floats and its O slice D times that past state 0's (WorkItem).
-  const int64_t lse_step = static_cast<int64_t>(it.qo_end - it.qo_begin) * heads;
-  // State 0, this CTA's rows (finish_rows), is written, each LSE by one thread of its row: fenced at the GPU's
-  // scope before the barrier, since the copies below read it through L2.
-  __threadfence();
-  __syncthreads();
-#pragma unroll 1
-  for (int j0 = 0; j0 < kPairs && static_cast<int>(threadIdx.x & ~31u) + j0 * Tr::kThreads < quads; j0 += kGroup) {
-    // (Warp-uniform: the warp's lanes poll together. A lane past `quads` polls and owns nothing.)
-    float m[kGroup], l[kGroup];
-    float4 acc[kGroup];
-    int64_t lse0[kGroup];
-    auto pair = [&](int j) { return static_cast<int>(threadIdx.x) + (j0 + j) * Tr::kThreads; };
-    auto owns = [&](int j) { return j0 + j < kPairs && pair(j) < quads; };
-#pragma unroll
-    for (int j = 0; j < kGroup; ++j) {
-      const int r = min(pair(j), quads - 1) / kQuads;
-      lse0[j] = (it.merge_row0 + (row0 + r) / group) * static_cast<int64_t>(heads) + kv_head * group +
-                (row0 + r) % group;
-      m[j] = -ATTNFORGE_INFINITY, l[j] = 0.f, acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    int next = 0;       // the next state to fold
-    uint32_t have = 0;  // bit b: state next + b is in shared memory
-    while (next < states) {
-      bool fresh = false;
-      if (next + lane < states && ((have >> lane) & 1u) == 0)
-        fresh = next + lane == 0 || load_acquire_gpu(flags + next + lane) != 0;
-      const uint32_t landed = __ballot_sync(0xffffffffu, fresh);
-      __syncwarp();  // the acquiring lanes' loads are ordered before every lane's copies below
-      for (uint32_t b = landed; b != 0;) {
-        int s[kBatch];
-        float v[kBatch][kGroup];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          s[u] = b != 0 ? next + __ffs(b) - 1 : -1;
-          b &= b - 1;
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u)
-#pragma unroll
-          for (int j = 0; j < kGroup; ++j) {
-            if (s[u] < 0 || !owns(j)) continue;
-            const int64_t lse_at = lse0[j] + s[u] * lse_step;
-            cp_async_16(s_o + 4 * (s[u] * quads + pair(j)), p.partial_o + lse_at * D + 4 * (pair(j) % kQuads), 16);
-            v[u][j] = load_cg(p.partial_lse + lse_at);
-          }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u)
-#pragma unroll
-          for (int j = 0; j < kGroup; ++j)
-            if (s[u] >= 0 && owns(j)) s_lse[s[u] * quads + pair(j)] = v[u][j];
-      }
-      cp_async_commit();
-      cp_async_wait<0>();  // this thread's copies (it alone reads them)
-      have |= landed;
-      const int run = have == 0xffffffffu ? 32 : __ffs(~have) - 1;
-      for (int k = next; k < next + run; ++k) {
-#pragma unroll
-        for (int j = 0; j < kGroup; ++j) {
-          if (!owns(j)) continue;
-          const float lse = s_lse[k * quads + pair(j)];
-          if (lse == -ATTNFORGE_INFINITY) continue;  // an empty state weighs nothing
-          const float4 x = *reinterpret_cast<const float4*>(s_o + 4 * (k * quads + pair(j)));
-          const float mn = fmaxf(m[j], lse), a = exp2f(m[j] - mn), w = exp2f(lse - mn);  // exp2f(-inf) = 0
-          l[j] = l[j] * a + w;
-          acc[j] = make_float4(acc[j].x * a + w * x.x, acc[j].y * a + w * x.y, acc[j].z * a + w * x.z,
-                               acc[j].w * a + w * x.w);
-          m[j] = mn;
-        }
-      }
-      next += run;
-      have = run == 32 ? 0u : have >> run;
-    }
-#pragma unroll
-    for (int j = 0; j < kGroup; ++j)
-      if (owns(j))
-        write_merged_quad(p, it, row0 + pair(j) / kQuads, pair(j) % kQuads, group, kv_head, qo_start, m[j], l[j],
-                          acc[j]);
-  }
-  __syncthreads();  // every warp has seen every flag: put them back for the next launch
-  for (int k = 1 + static_cast<int>(threadIdx.x); k < states; k += Tr::kThreads) flags[k] = 0;
 }
 
 // finish_rows for a custom variant (never split: run_variant refuses plans with merges): one thread per row, so
@@ -607,7 +490,7 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
     // 16-bit K/V only: the fp8 kernels never stream (CudaBackend::decode_merge), and compiled into them this code
     // cost fp8 64 x 8192 3-5% (their registers moved).
     if constexpr (!kFp8)
-      if (p.merge_flags != nullptr && p.merge_counters == nullptr) grid_launch_dependents();
+      if (p.merge_flags != nullptr) grid_launch_dependents();
     const int64_t page_list = Loader::page_list_of(kv, it);
     // Tile 0's page-table lines head for L1 now, so that their trip runs under the row arithmetic below rather than
     // after it (1 x 32768 timelines: item at 0.8 us, the rows' bounds at 1.6, tile 0's copies out at 2.9). A window
@@ -1090,15 +973,7 @@ __device__ __forceinline__ bool decode_body(const AttentionParams& p, const Vari
       // Merges in this kernel (AttentionParams::merge_counters): the last CTA to count its written state combines
       // the states (merge_count_written).
       ATTNFORGE_TL(tl_merge[5] = global_ns();)
-      // With flags as well (16-bit K/V up to head_dim 128), the merge's first piece merges as the states land
-      // (merge_fixed_rows). Not compiled into the head_dim 256 kernels: at 255 registers its code made them spill.
-      constexpr bool kFixedMerge = !kFp8 && D <= 128;
-      const bool fixed = kFixedMerge && in_kernel_merge && p.merge_flags != nullptr;
-      if (fixed && it.partial_row == it.merge_row0) {
-        if constexpr (kFixedMerge)
-          merge_fixed_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), item_index, row0, rows, group, kv_head,
-                               qo_start);
-      } else if (in_kernel_merge && !fixed && merge_count_written<Tr>(p, it, kv_head))
+      if (in_kernel_merge && merge_count_written<Tr>(p, it, kv_head))
         merge_split_rows<Tr>(p, it, reinterpret_cast<uint8_t*>(smem), row0, rows, group, kv_head,
                              qo_start ATTNFORGE_TL(, tl_merge));
       else if (!kFp8 && p.merge_flags != nullptr && it.merge >= 0)

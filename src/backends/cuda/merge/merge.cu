@@ -44,7 +44,7 @@ bool merge_programmatic_launch() {
 
 const std::string& decode_kernel_merge_mode() {
   static const std::string mode =
-      detail::env_choice("ATTNFORGE_DECODE_KERNEL_MERGE", {"0", "1", "kernel", "several", "stream", "fixed"}, "1");
+      detail::env_choice("ATTNFORGE_DECODE_KERNEL_MERGE", {"0", "1", "kernel", "several", "stream"}, "1");
   return mode;
 }
 

@@ -22,7 +22,7 @@ void run_merge(const AttentionParams& p, cudaStream_t stream);
 // compute capability 9.0 or newer, unless ATTNFORGE_MERGE_PDL=0 (a measuring knob: the plain launch for A/B runs).
 bool merge_programmatic_launch();
 
-// ATTNFORGE_DECODE_KERNEL_MERGE, read once: "1" (unset) or "kernel", "0", "several", "stream" or "fixed" (CudaBackend::
+// ATTNFORGE_DECODE_KERNEL_MERGE, read once: "1" (unset) or "kernel", "0", "several" or "stream" (CudaBackend::
 // decode_merge says what each does). "stream" is the one mode that launches the streamed merge kernel, so the
 // run-time compiled kernels load its module only then.
 const std::string& decode_kernel_merge_mode();
