@@ -23,7 +23,7 @@
 //            another whichever of them the memory system favours. It says what the static split's end spread costs
 //            (the states are still one a CTA: a kernel built this way would need states per fixed piece of KV, not
 //            per CTA, to stay deterministic).
-//   fixedN   a merging CTA fixed in advance (split 0 of each KV head) with a shorter piece, N eighths of the
+//   fixedN   a merging CTA fixed in advance (split 0 of each KV head) with a shorter piece, N 64ths of the
 //            others' 512 KB (the head's 16 MB in 2048 pieces of 8 KB, 64 a CTA; the 64 - N it gives up go one each to
 //            splits 1 .. 64 - N, each 8 KB or half a page of 16 tokens at head_dim 128 longer): it streams
 //            its piece, then waits for the others' states as they land (each CTA releases a flag of its own once its

@@ -132,7 +132,7 @@ WarmupReport warmup_with(KernelCache& cache, const CacheSettings& settings, cons
   for (const std::string& arch : archs)
     if (std::any_of(keys.begin(), keys.end(), [&](const KernelKey& k) { return k.arch == arch; })) {
       merges.push_back(merge_source(arch));
-      if (cuda::decode_kernel_merge_mode() == "stream") merges.push_back(merge_source(arch, /*streamed=*/true));
+      if (cuda::decode_merges_streamed()) merges.push_back(merge_source(arch, /*streamed=*/true));
     }
   sources.insert(sources.begin() + (first_decode - keys.begin()), merges.begin(), merges.end());
 

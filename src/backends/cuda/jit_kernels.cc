@@ -60,7 +60,7 @@ const JitKernels::Kernels& JitKernels::kernels(const jit::KernelKey& key) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (auto it = loaded_.find(name); it != loaded_.end()) return it->second;
     need_merge = builtin && merge_ == nullptr;
-    need_stream = builtin && merge_stream_ == nullptr && decode_kernel_merge_mode() == "stream";
+    need_stream = builtin && merge_stream_ == nullptr && decode_merges_streamed();
   }
   // Outside the lock: a compile takes seconds and other keys need not wait for it (the cache compiles each key
   // once however many threads ask). The merge modules, the first time, compile on threads of their own meanwhile.

@@ -48,6 +48,8 @@ const std::string& decode_kernel_merge_mode() {
   return mode;
 }
 
+bool decode_merges_streamed() { return decode_kernel_merge_mode() == "stream"; }
+
 void run_merge(const AttentionParams& p, cudaStream_t stream) {
   if (p.merge_capacity <= 0 || p.merge_counters != nullptr) return;  // none, or merged by the decode kernel
   launch_kernel(p.merge_flags != nullptr ? merge_stream_kernel : merge_kernel, merge_dims(p), stream,

@@ -23,9 +23,11 @@ void run_merge(const AttentionParams& p, cudaStream_t stream);
 bool merge_programmatic_launch();
 
 // ATTNFORGE_DECODE_KERNEL_MERGE, read once: "1" (unset) or "kernel", "0", "several" or "stream" (CudaBackend::
-// decode_merge says what each does). "stream" is the one mode that launches the streamed merge kernel, so the
-// run-time compiled kernels load its module only then.
+// decode_merge says what each does).
 const std::string& decode_kernel_merge_mode();
+// Whether that mode is "stream", the one that launches the streamed merge kernel: the run-time compiled kernels load
+// and warm its module only then.
+bool decode_merges_streamed();
 
 // The merge_state / merge_states operators on `stream`.
 void run_merge_states(const MergeStatesParams& p, cudaStream_t stream);
