@@ -175,7 +175,7 @@ class CudaBackend final : public Backend {
     const int stages = kv_stages > 0 ? kv_stages : cuda::default_decode_stages(s.kv_dtype);
     DecodeMerge m{cuda::kDecodeCtaRows, cuda::decode_attributes(s.head_dim_qk, s.kv_dtype, stages).max_dynamic_smem,
                   4, mode == "several" ? 4 : 1};
-    if (mode == "stream" && !cuda::is_fp8(s.kv_dtype))  // the fp8 kernels do not stream (decode_kernel.cuh)
+    if (cuda::decode_merges_streamed() && !cuda::is_fp8(s.kv_dtype))  // fp8 kernels do not stream (decode_kernel.cuh)
       m.stream_max_pairs = std::numeric_limits<int64_t>::max();
     return m;
   }

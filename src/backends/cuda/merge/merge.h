@@ -25,8 +25,8 @@ bool merge_programmatic_launch();
 // ATTNFORGE_DECODE_KERNEL_MERGE, read once: "1" (unset) or "kernel", "0", "several" or "stream" (CudaBackend::
 // decode_merge says what each does).
 const std::string& decode_kernel_merge_mode();
-// Whether that mode is "stream", the one that launches the streamed merge kernel: the run-time compiled kernels load
-// and warm its module only then.
+// Whether that mode is "stream", the one that launches the streamed merge kernel: CudaBackend::decode_merge plans
+// for it, and the run-time compiled kernels load and warm its module only then.
 bool decode_merges_streamed();
 
 // The merge_state / merge_states operators on `stream`.
